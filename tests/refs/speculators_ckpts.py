@@ -75,8 +75,12 @@ def _randomize(model, seed: int):
 
 
 def build(algo: str, out: Path, verifier: Path, *, dtype=torch.float32, draft_vocab: int | None = None,
-          seed: int = 1, aux=AUX, **kw) -> Path:
-    """Build and save a speculators draft for ``verifier``. kw go to from_training_args."""
+          seed: int = 1, aux=AUX, num_layers: int | None = None, layer_over: dict | None = None, **kw) -> Path:
+    """Build and save a speculators draft for ``verifier``. kw go to from_training_args.
+
+    ``num_layers`` sets the draft depth (default 1 for eagle3/peagle, 2 for dflash/dspark),
+    ``layer_over`` overrides transformer_layer_config fields (e.g. layer_types,
+    sliding_window), as speculators' training CLI does when it derives the draft config."""
     from transformers import AutoConfig
 
     import speculators.models  # noqa: F401  (registers the algorithms)
@@ -84,6 +88,12 @@ def build(algo: str, out: Path, verifier: Path, *, dtype=torch.float32, draft_vo
 
     vcfg = AutoConfig.from_pretrained(verifier)
     vcfg._attn_implementation = "sdpa"
+    if algo != "mtp":
+        vcfg.num_hidden_layers = num_layers or (2 if algo in ("dflash", "dspark") else 1)
+        if hasattr(vcfg, "layer_types") and vcfg.layer_types is not None:
+            vcfg.layer_types = vcfg.layer_types[: vcfg.num_hidden_layers]
+    for k, v in (layer_over or {}).items():
+        setattr(vcfg, k, v)
     dv = draft_vocab or VOCAB
     t2d, d2t = vocab_mapping(dv, seed) if dv != VOCAB else (None, None)
     cls = SpeculatorModel.registry[algo]
