@@ -1,0 +1,25 @@
+"""specjax bridge: speculators checkpoints <-> Flax param trees and Orbax, plus the audit.
+
+Format layer only (json, safetensors, numpy); no Flax modules. Public API:
+  load_checkpoint(path) -> Checkpoint      save_checkpoint(out, config, tree, ...)
+  save_orbax / restore_orbax               audit(path, verifier=None, deep=False) -> Report
+  read_config / parse_config               open_tensors(dir)
+"""
+
+from bridge.errors import (  # noqa: F401
+    BridgeError, CheckpointNotFoundError, ConfigError, OrbaxFormatError, SafetensorsFormatError, ShardIndexError,
+    TensorMismatchError, UnknownModelTypeError, WriteError,
+)
+from bridge.schema import (  # noqa: F401
+    ALGORITHMS, DFlashConfig, DraftConfig, DSparkConfig, Eagle3Config, LayerConfig, MTPConfig, PEagleConfig,
+    parse_config, read_config,
+)
+from bridge.safetensors_io import open_tensors  # noqa: F401
+from bridge.checkpoint import Checkpoint, load_checkpoint, save_checkpoint  # noqa: F401
+from bridge.orbax_io import restore_orbax, save_orbax  # noqa: F401
+
+
+def audit(path, verifier=None, *, deep: bool = False):
+    from bridge.audit import audit as _audit
+
+    return _audit(path, verifier=verifier, deep=deep)

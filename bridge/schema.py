@@ -1,0 +1,295 @@
+"""Typed speculators configs: one class per ``speculators_model_type``.
+
+Fields and defaults follow speculators 0.9.0 (REFERENCE section 1). A config is parsed
+once at the boundary; unknown keys are kept verbatim so that writing a config back
+reproduces every key and value it was read from (``to_dict``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from bridge.errors import CheckpointNotFoundError, ConfigError, UnknownModelTypeError
+
+CONFIG_NAME = "config.json"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, validate_assignment=True)
+
+
+class ProposalMethod(_Strict):
+    proposal_type: Literal["greedy"] = "greedy"
+    speculative_tokens: int = Field(5, ge=1)
+    verifier_accept_k: int = Field(1, ge=1)
+    accept_tolerance: float = Field(0.0, ge=0.0)
+
+
+class VerifierBinding(_Strict):
+    name_or_path: str | None = None
+    architectures: list[str] = Field(default_factory=list)
+
+
+class SpeculatorsBlock(_Strict):
+    algorithm: str
+    proposal_methods: list[ProposalMethod] = Field(min_length=1)
+    default_proposal_method: str = "greedy"
+    verifier: VerifierBinding = Field(default_factory=VerifierBinding)
+
+    @model_validator(mode="after")
+    def _default_is_listed(self):
+        types = [p.proposal_type for p in self.proposal_methods]
+        if self.default_proposal_method not in types:
+            raise ValueError(f"default_proposal_method {self.default_proposal_method!r} is not one of {types}")
+        return self
+
+
+class LayerConfig(_Strict):
+    """Typed view of ``transformer_layer_config`` (the draft decoder definition)."""
+
+    model_config = ConfigDict(extra="allow", strict=False)
+    model_type: str = "qwen3"  # speculators rebuilds a Qwen3Config when the key is absent
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    max_position_embeddings: int = 2048
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    pad_token_id: int | None = None
+    tie_word_embeddings: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope(self) -> dict:
+        """Rope parameters in transformers-5 form, whichever form the config used."""
+        extra = self.model_extra or {}
+        if isinstance(extra.get("rope_parameters"), dict):
+            return dict(extra["rope_parameters"])
+        rp = {"rope_theta": float(extra.get("rope_theta", 10000.0)), "rope_type": "default"}
+        scaling = extra.get("rope_scaling")
+        if isinstance(scaling, dict):
+            rp.update(scaling)
+            rp["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+        return rp
+
+    def sliding_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types or []) if t == "sliding_attention"]
+
+
+class DraftConfig(_Strict):
+    """Keys every speculators checkpoint has (REFERENCE 1.1)."""
+
+    REGISTRY: ClassVar[dict[str, type["DraftConfig"]]] = {}
+    algorithm: ClassVar[str] = ""
+
+    speculators_model_type: str
+    speculators_version: str | None = None
+    architectures: list[str] = Field(default_factory=list)
+    speculators_config: SpeculatorsBlock
+    transformer_layer_config: dict
+    _raw: dict | None = PrivateAttr(default=None)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if cls.algorithm:
+            DraftConfig.REGISTRY[cls.algorithm] = cls
+
+    # -- derived views
+    @property
+    def layer(self) -> LayerConfig:
+        return LayerConfig.model_validate(self.transformer_layer_config)
+
+    @property
+    def proposal(self) -> ProposalMethod:
+        return self.speculators_config.proposal_methods[0]
+
+    @property
+    def speculative_tokens(self) -> int:
+        return self.proposal.speculative_tokens
+
+    @property
+    def verifier_path(self) -> str | None:
+        return self.speculators_config.verifier.name_or_path
+
+    @property
+    def aux_layer_ids(self) -> list[int] | None:
+        return None
+
+    @property
+    def num_aux(self) -> int:
+        ids = self.aux_layer_ids
+        return len(ids) if ids else 3
+
+    @property
+    def verifier_vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+    @property
+    def vocab_pruned(self) -> bool:
+        return self.draft_vocab_size != self.verifier_vocab_size
+
+    # -- serialization
+    def to_dict(self, *, explicit: bool = False) -> dict:
+        """The config.json object. Keys read from disk keep their order and values;
+        ``explicit`` also writes every known field that was left at its default."""
+        raw = self._raw
+        dumped = self.model_dump(mode="json", exclude_unset=not explicit)
+        if raw is None:
+            return dumped
+        out = copy.deepcopy(raw)
+        for k, v in dumped.items():
+            if k not in out or out[k] != v:
+                out[k] = v
+        return out
+
+
+class Eagle3Config(DraftConfig):
+    algorithm: ClassVar[str] = "eagle3"
+    speculators_model_type: Literal["eagle3"] = "eagle3"
+    draft_vocab_size: int = 32000
+    norm_before_residual: bool = False
+    target_hidden_size: int | None = None
+    eagle_aux_hidden_state_layer_ids: list[int] | None = None
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    embed_requires_grad: bool = False
+
+    @model_validator(mode="after")
+    def _exclusive_norms(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are mutually exclusive")
+        return self
+
+    @property
+    def aux_layer_ids(self):
+        return self.eagle_aux_hidden_state_layer_ids
+
+
+class PEagleConfig(Eagle3Config):
+    algorithm: ClassVar[str] = "peagle"
+    speculators_model_type: Literal["peagle"] = "peagle"  # type: ignore[assignment]
+    mask_token_id: int | None = None
+    embed_requires_grad: bool = True
+
+
+class DFlashConfig(DraftConfig):
+    algorithm: ClassVar[str] = "dflash"
+    speculators_model_type: Literal["dflash"] = "dflash"
+    draft_vocab_size: int = 32000
+    block_size: int = Field(8, ge=1)
+    target_hidden_size: int | None = None
+    aux_hidden_state_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    sliding_window_non_causal: bool = False
+    sample_from_anchor: bool = False
+
+    @property
+    def aux_layer_ids(self):
+        return self.aux_hidden_state_layer_ids
+
+    @property
+    def expected_speculative_tokens(self) -> int:
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
+
+
+class DSparkConfig(DFlashConfig):
+    algorithm: ClassVar[str] = "dspark"
+    speculators_model_type: Literal["dspark"] = "dspark"  # type: ignore[assignment]
+    sample_from_anchor: bool = True
+    markov_rank: int = Field(256, ge=0)
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+
+
+class MTPConfig(DraftConfig):
+    algorithm: ClassVar[str] = "mtp"
+    speculators_model_type: Literal["mtp"] = "mtp"
+    num_nextn_predict_layers: int = 1
+
+    @model_validator(mode="after")
+    def _one_layer(self):
+        if self.num_nextn_predict_layers != 1:
+            raise ValueError(f"num_nextn_predict_layers must be 1 (speculators supports one MTP layer), got {self.num_nextn_predict_layers}")
+        return self
+
+    @property
+    def draft_vocab_size(self) -> int:  # MTP always predicts over the verifier vocabulary
+        return self.layer.vocab_size
+
+
+ALGORITHMS = tuple(DraftConfig.REGISTRY)
+
+
+def _loc(err: dict) -> str:
+    return ".".join(str(p) for p in err.get("loc", ())) or "<root>"
+
+
+def parse_config(raw: Any, *, path: str | None = None) -> DraftConfig:
+    """Validate a config.json object. Refuses to guess a missing model type."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config is a JSON {type(raw).__name__}; expected an object", path=path)
+    mt = raw.get("speculators_model_type")
+    if mt is None:
+        raise UnknownModelTypeError(
+            "no 'speculators_model_type' key; expected one of " + ", ".join(ALGORITHMS)
+            + " (speculators refuses to guess, and so does specjax)", path=path, key="speculators_model_type")
+    if mt not in DraftConfig.REGISTRY:
+        raise UnknownModelTypeError(
+            f"speculators_model_type {mt!r} is not supported; expected one of {', '.join(ALGORITHMS)}",
+            path=path, key="speculators_model_type")
+    cls = DraftConfig.REGISTRY[mt]
+    if not isinstance(raw.get("transformer_layer_config"), dict):
+        raise ConfigError("'transformer_layer_config' must be an object (the draft decoder config)",
+                          path=path, key="transformer_layer_config")
+    for model, prefix in ((cls, ""), (LayerConfig, "transformer_layer_config.")):
+        try:
+            cfg = model.model_validate(raw if model is cls else raw["transformer_layer_config"])
+        except ValidationError as e:
+            msgs = "; ".join(f"{prefix}{_loc(x)}: {x['msg']} (found {x.get('input')!r})" for x in e.errors()[:4])
+            raise ConfigError(f"invalid {mt} config: {msgs}", path=path, key=prefix + _loc(e.errors()[0])) from None
+        if model is cls:
+            out = cfg
+    out._raw = copy.deepcopy(raw)
+    return out
+
+
+def read_config(directory: str | Path) -> DraftConfig:
+    d = Path(directory)
+    p = d / CONFIG_NAME
+    if not d.exists():
+        raise CheckpointNotFoundError("checkpoint directory does not exist", path=str(d))
+    if not p.is_file():
+        raise CheckpointNotFoundError(f"no {CONFIG_NAME} in the checkpoint directory", path=str(d), key=CONFIG_NAME)
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"not valid JSON: {e}", path=str(p)) from None
+    return parse_config(raw, path=str(p))
+
+
+def dumps_config(cfg: DraftConfig | dict, *, explicit: bool = False) -> str:
+    d = cfg if isinstance(cfg, dict) else cfg.to_dict(explicit=explicit)
+    # transformers writes indent=2, sorted keys, trailing newline
+    return json.dumps(d, indent=2, sort_keys=True) + "\n"
