@@ -1,0 +1,60 @@
+"""Load an HF target model directory (``config.json`` + single or sharded safetensors).
+
+Tensor names go through ``bridge.layout`` table ``hf_lm``; arrays stay memory-mapped views until
+each one is placed on the device, so peak host memory is one tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from bridge import layout
+from bridge.errors import CheckpointNotFoundError
+from bridge.safetensors_io import open_tensors
+from specjax.models.config import TargetConfig
+from specjax.models.params import load_tree
+from specjax.models.target import CausalLM, build_model
+
+DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+          "float16": jnp.float16, "f16": jnp.float16}
+
+
+def resolve_dtype(dtype):
+    """None / 'auto' keep the checkpoint dtype; a name or jnp dtype casts."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; expected 'auto' or one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    return dtype
+
+
+def tied_lm_head(config: TargetConfig):
+    return lambda path: config.tie_word_embeddings and path[:1] == ("lm_head",)
+
+
+def model_from_tree(config: TargetConfig, tree: dict, *, dtype=None, where: str = "") -> CausalLM:
+    """Build the target for ``config`` and fill it from a nested Flax tree (numpy views)."""
+    dtype = resolve_dtype(dtype)
+    leaf_dtype = dtype or np.asarray(tree["model"]["embed_tokens"]["embedding"]).dtype \
+        if isinstance(tree.get("model"), dict) and "embed_tokens" in tree["model"] else (dtype or jnp.float32)
+    model = build_model(config, param_dtype=leaf_dtype, abstract=True)
+    load_tree(model, tree, where=where, dtype=dtype, ignore=tied_lm_head(config))
+    return model
+
+
+def load_hf_dir(directory: str | os.PathLike, *, dtype=None) -> CausalLM:
+    """Load ``directory`` (config.json + model.safetensors or a sharded index)."""
+    d = Path(directory)
+    if not (d / "config.json").is_file():
+        raise CheckpointNotFoundError("no config.json in the target directory", path=str(d))
+    config = TargetConfig.from_file(d / "config.json")
+    store = open_tensors(d)
+    flat = {name: store.array(name) for name in store.names}
+    tree = layout.unflatten(flat, layout.TABLES["hf_lm"], where=str(d))
+    return model_from_tree(config, tree, dtype=dtype, where=str(d))

@@ -1,0 +1,173 @@
+"""Shared decoder building blocks (targets and drafts), with HF parameter names.
+
+Param paths match the HF / speculators tensor names through ``bridge.layout`` (``q_proj.weight``
+[out, in] <-> ``q_proj.kernel`` [in, out]; ``*norm.weight`` <-> ``*norm.scale``), so a tree from
+``layout.unflatten`` loads 1:1 with :func:`specjax.models.params.load_tree`.
+
+Shapes: ``x`` [batch, seq, hidden]; per-head tensors [batch, seq, heads, head_dim]; attention
+masks are boolean ``[batch, 1 or heads, q_len, kv_len]`` with True = may attend.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.models.rope import apply_rope
+
+INIT_STD = 0.02  # HF initializer_range default; speculators inits Linear/Embedding N(0, 0.02)
+
+
+def dense(in_features: int, out_features: int, *, bias: bool, rngs: nnx.Rngs, param_dtype=jnp.float32,
+          dtype=None) -> nnx.Linear:
+    return nnx.Linear(in_features, out_features, use_bias=bias, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
+                      kernel_init=nnx.initializers.normal(INIT_STD))
+
+
+class RMSNorm(nnx.Module):
+    """HF RMSNorm. ``unit_offset=False`` (Llama/Qwen3): ``scale * cast_to_input(x32 * rsqrt(mean(x32^2) + eps))``
+    (cast back BEFORE the weight multiply). ``unit_offset=True`` (Gemma/Qwen3.5): ``cast_to_input(
+    normed32 * (1 + scale32))``. Param ``scale`` [dim] (ones, or zeros with unit_offset)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
+                 unit_offset: bool = False):
+        self.eps = float(eps)
+        self.unit_offset = bool(unit_offset)
+        init = jnp.zeros if unit_offset else jnp.ones
+        self.scale = nnx.Param(init((dim,), param_dtype))
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        return self.scale[...] * normed.astype(x.dtype)
+
+
+def attend(q, k, v, mask=None, *, scale: float | None = None, bias=None):
+    """Scaled dot-product attention through ``jax.nn.dot_product_attention`` with GQA.
+
+    q [B, T, Hq, D]; k, v [B, S, Hkv, D] with Hq % Hkv == 0; ``mask`` bool [B, 1|Hq, T, S] or
+    [B, T, S] (True = attend) or None (full attention); ``bias`` additive, same shapes.
+    Returns [B, T, Hq, D]. Query rows with no allowed key produce finite garbage (uniform
+    weights), never NaN; callers ignore them.
+    """
+    if mask is not None and mask.ndim == 3:
+        mask = mask[:, None]
+    if bias is not None and bias.ndim == 3:
+        bias = bias[:, None]
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
+
+
+class Attention(nnx.Module):
+    """GQA attention projections ``q_proj/k_proj/v_proj/o_proj`` (+ optional per-head ``q_norm/k_norm``).
+
+    ``in_features`` is the q/k/v input width (default ``hidden_size``; EAGLE-3's first draft layer
+    uses 2*hidden). Building blocks are separate so drafts can build their own keys/masks:
+    :meth:`project` (projections + q/k norm, no rope), :func:`apply_rope`, :func:`attend`,
+    :meth:`output`. ``__call__`` is plain self-attention without a cache.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, rngs: nnx.Rngs,
+                 in_features: int | None = None, bias: bool = False, o_bias: bool | None = None,
+                 qk_norm: bool = False, norm_eps: float = 1e-6, param_dtype=jnp.float32, dtype=None):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scaling = head_dim ** -0.5
+        d_in = in_features or hidden_size
+        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.q_proj = dense(d_in, num_heads * head_dim, bias=bias, **kw)
+        self.k_proj = dense(d_in, num_kv_heads * head_dim, bias=bias, **kw)
+        self.v_proj = dense(d_in, num_kv_heads * head_dim, bias=bias, **kw)
+        self.o_proj = dense(num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias, **kw)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, norm_eps, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(head_dim, norm_eps, param_dtype=param_dtype)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def project_q(self, x):
+        q = self.q_proj(x).reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def project_kv(self, x):
+        k = self.k_proj(x).reshape(*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        return (k if self.k_norm is None else self.k_norm(k)), v
+
+    def project(self, x, kv_x=None):
+        """q [B,T,Hq,D], k, v [B,S,Hkv,D] (q/k normed if configured, NOT rotated). ``kv_x`` (default x)
+        is the key/value input."""
+        k, v = self.project_kv(x if kv_x is None else kv_x)
+        return self.project_q(x), k, v
+
+    def output(self, o):
+        """o [B, T, Hq, D] -> [B, T, hidden]."""
+        return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.head_dim))
+
+    def __call__(self, x, cos, sin, mask=None):
+        q, k, v = self.project(x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.output(attend(q, k, v, mask, scale=self.scaling))
+
+
+class MLP(nnx.Module):
+    """Gated SiLU MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, bias: bool = False,
+                 param_dtype=jnp.float32, dtype=None):
+        kw = dict(bias=bias, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.gate_proj = dense(hidden_size, intermediate_size, **kw)
+        self.up_proj = dense(hidden_size, intermediate_size, **kw)
+        self.down_proj = dense(intermediate_size, hidden_size, **kw)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm decoder layer: ``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``.
+
+    ``sliding_window`` (None = full attention) is metadata for whoever builds the mask (HF rule:
+    key j visible from query i iff ``i - W < j <= i``); see :func:`causal_mask`.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 *, rngs: nnx.Rngs, norm_eps: float = 1e-6, attn_in_features: int | None = None,
+                 attention_bias: bool = False, mlp_bias: bool = False, qk_norm: bool = False,
+                 sliding_window: int | None = None, norm_unit_offset: bool = False,
+                 param_dtype=jnp.float32, dtype=None):
+        self.sliding_window = sliding_window
+        kw = dict(param_dtype=param_dtype, dtype=dtype)
+        self.input_layernorm = RMSNorm(hidden_size, norm_eps, unit_offset=norm_unit_offset, param_dtype=param_dtype)
+        self.self_attn = Attention(hidden_size, num_heads, num_kv_heads, head_dim, rngs=rngs,
+                                   in_features=attn_in_features, bias=attention_bias, qk_norm=qk_norm,
+                                   norm_eps=norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(hidden_size, norm_eps, unit_offset=norm_unit_offset,
+                                                param_dtype=param_dtype)
+        self.mlp = MLP(hidden_size, intermediate_size, rngs=rngs, bias=mlp_bias, **kw)
+
+    def __call__(self, x, cos, sin, mask=None):
+        """Self-attention without a cache. x [B,T,H]; cos/sin [B,T,rotary_dim]; mask [B,1,T,T]."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def causal_mask(q_pos, kv_pos, *, sliding_window: int | None = None, kv_valid=None):
+    """Boolean [B, 1, T, S]: key j visible from query t iff ``kv_pos[j] <= q_pos[t]`` (and
+    ``kv_pos[j] > q_pos[t] - W`` with a sliding window) and ``kv_valid[b, j]``.
+
+    q_pos [B, T]; kv_pos [B, S] or [S]; kv_valid [B, S] bool or None.
+    """
+    if kv_pos.ndim == 1:
+        kv_pos = kv_pos[None]
+    qp, kp = q_pos[:, :, None], kv_pos[:, None, :]
+    m = kp <= qp
+    if sliding_window is not None:
+        m &= kp > qp - sliding_window
+    if kv_valid is not None:
+        m &= kv_valid[:, None, :].astype(bool)
+    return m[:, None]

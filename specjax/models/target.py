@@ -1,0 +1,243 @@
+"""Target LMs (HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``) as Flax nnx modules, with a
+preallocated KV cache and auxiliary hidden-state taps.
+
+Param tree (HF names through ``bridge.layout`` table ``hf_lm``)::
+
+    model.embed_tokens.embedding                [vocab, hidden]
+    model.layers[i].input_layernorm.scale       [hidden]
+    model.layers[i].self_attn.{q,k,v,o}_proj.kernel (+ .bias)
+    model.layers[i].self_attn.{q,k}_norm.scale  [head_dim]        (Qwen3)
+    model.layers[i].post_attention_layernorm.scale
+    model.layers[i].mlp.{gate,up,down}_proj.kernel
+    model.norm.scale
+    lm_head.kernel                              [hidden, vocab]   (absent when tied)
+
+KV cache (:class:`KVCache`, a pytree NamedTuple)::
+
+    k, v     tuple of num_hidden_layers arrays [batch, max_len, num_kv_heads, head_dim]
+             (post-rope keys; post-k_norm for Qwen3)
+    lengths  int32 [batch]: tokens of each sequence that are valid in the cache
+
+Slot j of sequence b holds the token at position j (slot == position). A forward over the
+cache writes its T new tokens at their positions (default ``lengths[b] + arange(T)``; slots past
+``max_len`` are dropped) and lets query t see every slot j with ``j <= pos[b, t]`` (and ``j >
+pos[b, t] - W`` on sliding-window layers). Hence:
+
+* several tokens per step (verify k+1 drafted tokens at once) is just T = k+1;
+* rolling back rejected tokens is ``cache.rollback(new_lengths)`` (only ``lengths`` changes):
+  stale slots past a sequence's length sit at positions larger than any later query's
+  position until they are overwritten, so they are never attended;
+* ragged prompts are right-padded: the padding writes garbage past each length, which the
+  next step overwrites before anyone can see it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.models.config import TargetConfig
+from specjax.models.errors import ContextLengthError, TapIdError, UnknownArchitectureError
+from specjax.models.layers import INIT_STD, DecoderLayer, RMSNorm, attend, causal_mask, dense
+from specjax.models.rope import apply_rope, rope_cos_sin
+
+
+class KVCache(NamedTuple):
+    k: tuple  # num_layers x [batch, max_len, kv_heads, head_dim]
+    v: tuple
+    lengths: jax.Array  # int32 [batch]
+
+    @classmethod
+    def init(cls, config: TargetConfig, batch: int, max_len: int, dtype=jnp.float32, lengths=None) -> "KVCache":
+        shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+        z = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+        zv = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+        ln = jnp.zeros((batch,), jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        return cls(z, zv, ln)
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    def rollback(self, lengths) -> "KVCache":
+        """Keep only the first ``lengths[b]`` tokens of each sequence (no data moves)."""
+        return self._replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+
+class TargetOutput(NamedTuple):
+    logits: jax.Array | None  # [B, T, V] (or [B, V] / [B, K, V] with logits_at)
+    cache: KVCache | None
+    aux_hidden_states: tuple  # one [B, T, hidden] per requested tap id, in tap_ids order
+
+
+def check_tap_ids(tap_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    ids = tuple(int(i) for i in tap_ids)
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise TapIdError(f"tap ids {bad} are outside [0, {num_layers}] (num_hidden_layers = {num_layers}; id k < n is "
+                         f"the residual entering layer k, id n the final pre-norm state)", key="tap_ids")
+    return ids
+
+
+class Backbone(nnx.Module):
+    def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None):
+        c = config
+        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
+                                      embedding_init=nnx.initializers.normal(INIT_STD))
+        self.layers = nnx.List([
+            DecoderLayer(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                         rngs=rngs, norm_eps=c.rms_norm_eps, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
+                         qk_norm=c.qk_norm, sliding_window=c.layer_window(i), param_dtype=param_dtype, dtype=dtype)
+            for i in range(c.num_hidden_layers)
+        ])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only target LM (Llama / Qwen3 families).
+
+    ``__call__(input_ids, *, positions=None, cache=None, attention_mask=None, tap_ids=(),
+    logits_at=None, return_logits=True) -> TargetOutput`` is the one forward for prefill and
+    decode; see the module docstring for the cache contract.
+    """
+
+    def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None):
+        self.config = config
+        self.model = Backbone(config, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = dense(config.hidden_size, config.vocab_size, bias=False, rngs=rngs,
+                                 param_dtype=param_dtype, dtype=dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def embed(self, input_ids):
+        return self.model.embed_tokens(input_ids)
+
+    def head(self, h):
+        """Final norm + lm_head over pre-norm hidden states ``[..., hidden]`` -> logits ``[..., vocab]``."""
+        h = self.model.norm(h)
+        if self.lm_head is None:
+            return self.model.embed_tokens.attend(h)
+        return self.lm_head(h)
+
+    def __call__(self, input_ids, *, positions=None, cache: KVCache | None = None, attention_mask=None,
+                 tap_ids: Sequence[int] = (), logits_at=None, return_logits: bool = True) -> TargetOutput:
+        """One forward.
+
+        input_ids int [B, T]. positions int [B, T]: default ``arange(T)`` without a cache,
+        ``cache.lengths[:, None] + arange(T)`` with one.
+
+        Without a cache: causal attention by index within the T tokens; ``attention_mask``
+        [B, T] (1 = real token) hides padded keys, as in HF. With a cache: new K/V are written at
+        slot = position and queries see slots ``<= position``; ``attention_mask`` only sets how
+        far ``lengths`` advance (default +T; with a mask, + its row sums).
+
+        tap_ids (static): hidden states to return, id k < n = residual stream entering layer k
+        (HF ``hidden_states[k]``), id n = final hidden state before the final norm.
+        logits_at: None for logits at every position, or int [B] / [B, K] indices into T.
+        """
+        cfg = self.config
+        n = cfg.num_hidden_layers
+        taps = check_tap_ids(tap_ids, n)
+        B, T = input_ids.shape
+        ar = jnp.arange(T, dtype=jnp.int32)
+        if positions is None:
+            positions = (cache.lengths[:, None] + ar[None]) if cache is not None else jnp.broadcast_to(ar, (B, T))
+        positions = positions.astype(jnp.int32)
+
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(positions, cfg.rope, dtype=x.dtype)
+        if cache is not None:
+            S = cache.max_len
+            if T > S:
+                raise ContextLengthError(f"{T} new tokens do not fit a KV cache of max_len {S}", key="input_ids")
+            kv_pos = jnp.arange(S, dtype=jnp.int32)
+            q_pos, kv_valid = positions, None
+            b_idx = jnp.arange(B)[:, None]
+        else:
+            kv_pos = ar
+            q_pos = jnp.broadcast_to(ar, (B, T))
+            kv_valid = None if attention_mask is None else attention_mask.astype(bool)
+        masks = {}
+
+        def mask_for(w):
+            if w not in masks:
+                masks[w] = causal_mask(q_pos, kv_pos, sliding_window=w, kv_valid=kv_valid)
+            return masks[w]
+
+        aux = {}
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.model.layers):
+            if i in taps:
+                aux[i] = x
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if cache is not None:
+                k = cache.k[i].at[b_idx, positions].set(k.astype(cache.k[i].dtype), mode="drop")
+                v = cache.v[i].at[b_idx, positions].set(v.astype(cache.v[i].dtype), mode="drop")
+                new_k.append(k)
+                new_v.append(v)
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
+            o = attend(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)
+            x = x + attn.output(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if n in taps:
+            aux[n] = x
+
+        logits = None
+        if return_logits:
+            h = x
+            if logits_at is not None:
+                idx = jnp.asarray(logits_at, jnp.int32)
+                if idx.ndim == 1:
+                    h = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+                else:
+                    h = jnp.take_along_axis(x, idx[:, :, None], axis=1)
+            logits = self.head(h)
+
+        new_cache = None
+        if cache is not None:
+            adv = T if attention_mask is None else attention_mask.astype(jnp.int32).sum(-1)
+            new_cache = KVCache(tuple(new_k), tuple(new_v), cache.lengths + adv)
+        return TargetOutput(logits, new_cache, tuple(aux[i] for i in taps))
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: TargetConfig, **kw):
+        if config.family != "llama":
+            raise UnknownArchitectureError(f"LlamaForCausalLM got a {config.family!r} config")
+        super().__init__(config, **kw)
+
+
+class Qwen3ForCausalLM(CausalLM):
+    def __init__(self, config: TargetConfig, **kw):
+        if config.family != "qwen3":
+            raise UnknownArchitectureError(f"Qwen3ForCausalLM got a {config.family!r} config")
+        super().__init__(config, **kw)
+
+
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+
+
+def build_model(config: TargetConfig, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32, dtype=None,
+                abstract: bool = False) -> CausalLM:
+    """Instantiate the target class for ``config.family``. ``abstract=True`` allocates nothing
+    (params are ShapeDtypeStructs until :func:`specjax.models.params.load_tree` fills them)."""
+    cls = MODEL_CLASSES.get(config.family)
+    if cls is None:
+        raise UnknownArchitectureError(f"no target class for family {config.family!r}; expected one of {sorted(MODEL_CLASSES)}")
+    if abstract:
+        return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype))
+    return cls(config, rngs=rngs or nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype)
