@@ -85,7 +85,9 @@ def restore_orbax(path: str | Path, *, sharding: Any = None) -> tuple[DraftConfi
         raise OrbaxFormatError("not a specjax Orbax checkpoint (expected params/ and config/ inside)", path=str(p))
     ocp, ckptr = _checkpointer()
     try:
-        meta = ckptr.restore(p, args=ocp.args.Composite(config=ocp.args.JsonRestore(), specjax=ocp.args.JsonRestore()))
+        with _quiet_absl():  # orbax logs a warning for every item not asked for (params, here)
+            meta = ckptr.restore(p, args=ocp.args.Composite(config=ocp.args.JsonRestore(),
+                                                            specjax=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many types; name the file instead
         raise OrbaxFormatError(f"cannot read config/specjax items: {type(e).__name__}: {e}", path=str(p)) from e
     extra = meta.get("specjax") or {}
@@ -116,6 +118,17 @@ def restore_orbax(path: str | Path, *, sharding: Any = None) -> tuple[DraftConfi
     except Exception as e:
         raise OrbaxFormatError(f"cannot restore params: {type(e).__name__}: {e}", path=str(p)) from e
     return cfg, _int_keys(r["params"]), dict(extra.get("safetensors_metadata") or {})
+
+
+class _quiet_absl:
+    def __enter__(self):
+        from absl import logging as alog
+
+        self._alog, self._old = alog, alog.get_verbosity()
+        alog.set_verbosity(alog.ERROR)
+
+    def __exit__(self, *exc):
+        self._alog.set_verbosity(self._old)
 
 
 def _int_keys_path(keys):
