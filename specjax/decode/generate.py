@@ -1,0 +1,182 @@
+"""Target-only batched generation; the whole decode loop is one ``jax.jit`` (``lax.while_loop``).
+
+Layers (each reusable by the speculative loop):
+
+* :func:`prefill` - run right-padded prompts through the target into a fresh :class:`KVCache`,
+  returning the logits at each prompt's last token (and any tapped hidden states).
+* :class:`DecodeState` - the loop carry: output buffer, per-sequence counts/limits/done flags,
+  the last emitted token, the cache, the PRNG key.
+* :func:`emit` - append a ragged number of new tokens per sequence (k+1 for a speculative step,
+  1 here) with EOS / length stopping; tokens past a stop are discarded.
+* :func:`generate_ids` - host entry: pads and buckets shapes, runs the jitted
+  prefill + ``while_loop``, returns numpy results. Same shapes -> one compile.
+
+Output tokens include the EOS token that stopped a sequence; ``num_tokens`` counts it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.decode.sampling import GREEDY, SamplingParams, sample
+from specjax.models.errors import ContextLengthError
+from specjax.models.target import CausalLM, KVCache
+
+TRACE_COUNT = {"generate": 0}  # bumped each time the jitted loop is traced (= compiled)
+
+
+class DecodeState(NamedTuple):
+    step: jax.Array  # int32 scalar: loop iterations done
+    tokens: jax.Array  # int32 [B, N] generated tokens (pad_id past num_tokens)
+    num_tokens: jax.Array  # int32 [B]
+    limit: jax.Array  # int32 [B]: max tokens this sequence may emit
+    done: jax.Array  # bool [B]
+    eos_hit: jax.Array  # bool [B]: stopped by EOS (vs the length limit)
+    last: jax.Array  # int32 [B]: last emitted token (input of the next step)
+    cache: KVCache
+    key: jax.Array
+
+
+def prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids: Sequence[int] = ()):
+    """prompt_ids int [B, P] right-padded, prompt_lens int [B] >= 1. Writes the prompts into
+    ``cache`` (which must start empty) and sets ``cache.lengths = prompt_lens``. Returns
+    ``(last_logits [B, V], cache, aux)``; aux are [B, P, hidden] per tap id."""
+    P = prompt_ids.shape[1]
+    mask = jnp.arange(P)[None, :] < prompt_lens[:, None]
+    out = model(prompt_ids, positions=jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), prompt_ids.shape),
+                cache=cache, attention_mask=mask, tap_ids=tap_ids, logits_at=prompt_lens - 1)
+    return out.logits, out.cache, out.aux_hidden_states
+
+
+def is_eos(tokens, eos_ids):
+    """tokens int [...]; eos_ids int [E] (may be empty) -> bool [...]."""
+    if eos_ids.shape[0] == 0:
+        return jnp.zeros(tokens.shape, bool)
+    return (tokens[..., None] == eos_ids).any(-1)
+
+
+def emit(state: DecodeState, new_tokens, counts, eos_ids, pad_id: int) -> DecodeState:
+    """Append ``new_tokens[b, :counts[b]]`` (int [B, K]) to each live sequence, truncated at the
+    first EOS (kept) and at ``limit``; sets ``done``/``eos_hit``. Done sequences emit nothing."""
+    B, K = new_tokens.shape
+    N = state.tokens.shape[1]
+    j = jnp.arange(K)[None, :]
+    valid = (j < counts[:, None]) & ~state.done[:, None]
+    eos = is_eos(new_tokens, eos_ids) & valid
+    # keep tokens up to and including the first EOS
+    before_eos = jnp.cumsum(eos.astype(jnp.int32), axis=1) - eos.astype(jnp.int32) == 0
+    valid &= before_eos
+    room = state.limit - state.num_tokens
+    valid &= j < room[:, None]
+    n_new = valid.sum(1).astype(jnp.int32)
+    slots = jnp.where(valid, state.num_tokens[:, None] + j, N)  # N = dropped
+    tokens = state.tokens.at[jnp.arange(B)[:, None], slots].set(new_tokens.astype(jnp.int32), mode="drop")
+    num = state.num_tokens + n_new
+    hit = (eos & valid).any(1)
+    last_idx = jnp.maximum(n_new - 1, 0)
+    last = jnp.where(n_new > 0, jnp.take_along_axis(new_tokens, last_idx[:, None], axis=1)[:, 0], state.last)
+    done = state.done | hit | (num >= state.limit)
+    return state._replace(tokens=tokens, num_tokens=num, done=done, eos_hit=state.eos_hit | hit,
+                          last=last.astype(jnp.int32))
+
+
+def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int,
+                   max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype):
+    B = prompt_ids.shape[0]
+    cache = KVCache.init(model.config, B, max_len, cache_dtype)
+    logits, cache, _ = prefill(model, prompt_ids, prompt_lens, cache)
+    key, sub = jax.random.split(key)
+    first = sample(sub, logits, sampling)
+    st = DecodeState(step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
+                     num_tokens=jnp.zeros((B,), jnp.int32), limit=limits.astype(jnp.int32),
+                     done=limits <= 0, eos_hit=jnp.zeros((B,), bool), last=first, cache=cache, key=key)
+    st = emit(st, first[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id)
+
+    def cond(s: DecodeState):
+        return (s.step < max_new_tokens - 1) & ~jnp.all(s.done)
+
+    def body(s: DecodeState):
+        out = model(s.last[:, None], cache=s.cache, logits_at=jnp.zeros((B,), jnp.int32))
+        k, sub = jax.random.split(s.key)
+        nxt = sample(sub, out.logits, sampling)
+        s = s._replace(step=s.step + 1, cache=out.cache, key=k)
+        return emit(s, nxt[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id)
+
+    st = jax.lax.while_loop(cond, body, st)
+    return st.tokens, st.num_tokens, st.eos_hit
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id",
+                                             "cache_dtype"))
+def _generate_jit(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens, max_len,
+                  sampling, pad_id, cache_dtype):
+    TRACE_COUNT["generate"] += 1
+    model = nnx.merge(graphdef, params)
+    return _generate_core(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
+                          max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per sequence (EOS included when it stopped the sequence)
+    stop_reasons: list[str]  # "eos" | "length"
+    prompt_lengths: list[int]
+
+
+def bucket(n: int, multiple: int = 32) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def _split(model: CausalLM):
+    graphdef, params = nnx.split(model)
+    return graphdef, params
+
+
+def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
+                 sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
+                 pad_id: int | None = None, context_length: int | None = None,
+                 prompt_bucket: int = 32) -> GenerationResult:
+    """Generate continuations of token-id prompts (a batch, ragged lengths allowed).
+
+    Each sequence stops at the first token in ``eos_token_ids`` (default: the config's; ``[]``
+    disables EOS) or after ``max_new_tokens``, or when it reaches ``context_length`` (default
+    the config's ``max_position_embeddings``). Prompts are right-padded to a multiple of
+    ``prompt_bucket`` so nearby lengths share one compiled program.
+    """
+    cfg = model.config
+    if not prompts:
+        raise ValueError("no prompts given")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    ctx = int(context_length or cfg.max_position_embeddings)
+    lens = [len(p) for p in prompts]
+    for i, n in enumerate(lens):
+        if n == 0:
+            raise ValueError(f"prompt {i} is empty; expected at least one token")
+        if n >= ctx:
+            raise ContextLengthError(f"prompt {i} has {n} tokens; the context length is {ctx}, so at most {ctx - 1} "
+                                     f"prompt tokens leave room to generate", key="prompt")
+    eos = list(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    pad = int(pad_id if pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else (eos or [0])[0]))
+    P = min(bucket(max(lens), prompt_bucket), ctx)
+    max_len = min(P + max_new_tokens, max(ctx, P))
+    ids = np.full((len(prompts), P), pad, np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = np.asarray(p, np.int32)
+    limits = np.asarray([min(max_new_tokens, ctx - n) for n in lens], np.int32)
+    graphdef, params = _split(model)
+    cache_dtype = jnp.dtype(model.model.embed_tokens.embedding[...].dtype)
+    toks, num, eos_hit = _generate_jit(graphdef, params, jnp.asarray(ids), jnp.asarray(lens, jnp.int32),
+                                       jnp.asarray(limits), jax.random.key(seed), jnp.asarray(eos, jnp.int32),
+                                       max_new_tokens=int(max_new_tokens), max_len=int(max_len), sampling=sampling,
+                                       pad_id=pad, cache_dtype=cache_dtype)
+    toks, num, eos_hit = np.asarray(toks), np.asarray(num), np.asarray(eos_hit)
+    return GenerationResult(tokens=[toks[i, : num[i]].tolist() for i in range(len(prompts))],
+                            stop_reasons=["eos" if e else "length" for e in eos_hit], prompt_lengths=lens)
