@@ -17,9 +17,4 @@ from bridge.schema import (  # noqa: F401
 from bridge.safetensors_io import open_tensors  # noqa: F401
 from bridge.checkpoint import Checkpoint, load_checkpoint, save_checkpoint  # noqa: F401
 from bridge.orbax_io import restore_orbax, save_orbax  # noqa: F401
-
-
-def audit(path, verifier=None, *, deep: bool = False):
-    from bridge.audit import audit as _audit
-
-    return _audit(path, verifier=verifier, deep=deep)
+from bridge.auditor import Finding, Report, audit  # noqa: F401

@@ -1,0 +1,249 @@
+"""Every kind of bad input gets the bridge's own typed error naming the culprit, and
+nothing is modified or half-written."""
+
+import json
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+import bridge
+from bridge.errors import (
+    BridgeError, CheckpointNotFoundError, ConfigError, SafetensorsFormatError, ShardIndexError, TensorMismatchError,
+    UnknownModelTypeError, WriteError,
+)
+from bridge.safetensors_io import SafetensorsFile, write_safetensors
+
+
+@pytest.fixture
+def ck(spec_ckpts, tmp_path):
+    d = tmp_path / "ck"
+    shutil.copytree(spec_ckpts["eagle3-qwen3-bf16-pruned"], d)
+    return d
+
+
+def _edit_config(d, fn):
+    cfg = json.loads((d / "config.json").read_text())
+    fn(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _write_raw(path, header: dict | bytes, data: bytes = b"", hlen: int | None = None):
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw) if hlen is None else hlen))
+        f.write(raw)
+        f.write(data)
+
+
+def test_missing_config(ck):
+    (ck / "config.json").unlink()
+    with pytest.raises(CheckpointNotFoundError, match="config.json"):
+        bridge.load_checkpoint(ck)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        bridge.load_checkpoint(tmp_path / "nope")
+
+
+def test_invalid_json(ck):
+    (ck / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON") as e:
+        bridge.load_checkpoint(ck)
+    assert "config.json" in str(e.value)
+
+
+def test_missing_model_type_refuses_to_guess(ck):
+    _edit_config(ck, lambda c: c.pop("speculators_model_type"))
+    with pytest.raises(UnknownModelTypeError, match="speculators_model_type.*refuses to guess"):
+        bridge.load_checkpoint(ck)
+
+
+def test_unknown_model_type(ck):
+    _edit_config(ck, lambda c: c.update(speculators_model_type="medusa"))
+    with pytest.raises(UnknownModelTypeError, match="'medusa'.*eagle3"):
+        bridge.load_checkpoint(ck)
+
+
+def test_wrong_type_names_key(ck):
+    _edit_config(ck, lambda c: c.update(norm_before_fc="yes"))
+    with pytest.raises(ConfigError, match="norm_before_fc") as e:
+        bridge.load_checkpoint(ck)
+    assert e.value.key == "norm_before_fc"
+
+
+def test_missing_layer_field_names_key(ck):
+    _edit_config(ck, lambda c: c["transformer_layer_config"].pop("hidden_size"))
+    with pytest.raises(ConfigError, match="transformer_layer_config.hidden_size"):
+        bridge.load_checkpoint(ck)
+
+
+def test_header_length_past_file_end(tmp_path):
+    p = tmp_path / "m.safetensors"
+    _write_raw(p, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, hlen=10**6)
+    with pytest.raises(SafetensorsFormatError, match="header length 1000000 is larger than the file"):
+        SafetensorsFile(p)
+
+
+def test_header_not_json(tmp_path):
+    p = tmp_path / "m.safetensors"
+    _write_raw(p, b"\xff\xfe{garbage", b"")
+    with pytest.raises(SafetensorsFormatError, match="not valid UTF-8 JSON"):
+        SafetensorsFile(p)
+
+
+def test_offsets_out_of_range(tmp_path):
+    p = tmp_path / "m.safetensors"
+    _write_raw(p, {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8)
+    with pytest.raises(SafetensorsFormatError, match="'w'.*run past the data buffer"):
+        SafetensorsFile(p)
+
+
+def test_offsets_overlap(tmp_path):
+    p = tmp_path / "m.safetensors"
+    _write_raw(p, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                   "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12)
+    with pytest.raises(SafetensorsFormatError, match="overlap"):
+        SafetensorsFile(p)
+
+
+def test_unknown_dtype(tmp_path):
+    p = tmp_path / "m.safetensors"
+    _write_raw(p, {"a": {"dtype": "F7", "shape": [1], "data_offsets": [0, 1]}}, b"\0")
+    with pytest.raises(SafetensorsFormatError, match="'a': unknown dtype 'F7'"):
+        SafetensorsFile(p)
+
+
+def test_shape_times_dtype_mismatch(tmp_path):
+    p = tmp_path / "m.safetensors"
+    _write_raw(p, {"a": {"dtype": "BF16", "shape": [3, 2], "data_offsets": [0, 8]}}, b"\0" * 8)
+    with pytest.raises(SafetensorsFormatError, match=r"'a': shape \[3, 2\] x BF16 needs 12 bytes but data_offsets span 8"):
+        SafetensorsFile(p)
+
+
+def test_duplicate_tensor_in_header(tmp_path):
+    p = tmp_path / "m.safetensors"
+    raw = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+    _write_raw(p, raw, b"\0")
+    with pytest.raises(SafetensorsFormatError, match="'a' twice"):
+        SafetensorsFile(p)
+
+
+def test_file_too_short(tmp_path):
+    p = tmp_path / "m.safetensors"
+    p.write_bytes(b"\x01\x02")
+    with pytest.raises(SafetensorsFormatError, match="at least 8"):
+        SafetensorsFile(p)
+
+
+def _shard(tmp_path, ck, weight_map_fn):
+    """Make a 2-shard copy of ck and let weight_map_fn corrupt its index."""
+    out = bridge.save_checkpoint(tmp_path / "sharded", *(lambda c: (c.config, c.tree))(bridge.load_checkpoint(ck)),
+                                 max_shard_bytes=3000)
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    weight_map_fn(idx["weight_map"], out)
+    (out / "model.safetensors.index.json").write_text(json.dumps(idx))
+    return out
+
+
+def test_index_names_missing_shard(ck, tmp_path):
+    def corrupt(wm, out):
+        k = next(iter(wm))
+        (out / wm[k]).unlink()
+    out = _shard(tmp_path, ck, corrupt)
+    with pytest.raises(ShardIndexError, match="does not exist"):
+        bridge.load_checkpoint(out)
+
+
+def test_index_shard_outside_directory(ck, tmp_path):
+    def corrupt(wm, out):
+        k = next(iter(wm))
+        shutil.copy(out / wm[k], tmp_path / "evil.safetensors")
+        wm[k] = "../evil.safetensors"
+    out = _shard(tmp_path, ck, corrupt)
+    with pytest.raises(ShardIndexError, match="outside the checkpoint directory"):
+        bridge.load_checkpoint(out)
+
+
+def test_same_tensor_in_two_shards(ck, tmp_path):
+    def corrupt(wm, out):
+        shards = sorted(set(wm.values()))
+        name = next(k for k, v in wm.items() if v == shards[0])
+        s = bridge.open_tensors(out)
+        extra = {n: np.asarray(s.array(n)) for n, v in wm.items() if v == shards[1]}
+        extra[name] = np.asarray(s.array(name))
+        write_safetensors(out / shards[1], extra, {"format": "pt"})
+    out = _shard(tmp_path, ck, corrupt)
+    with pytest.raises(ShardIndexError, match="appears in both"):
+        bridge.load_checkpoint(out)
+
+
+def test_index_duplicate_key(ck, tmp_path):
+    out = _shard(tmp_path, ck, lambda wm, out: None)
+    text = (out / "model.safetensors.index.json").read_text()
+    first = text.index('"weight_map": {') + len('"weight_map": {')
+    key_line = text[first:].split(",")[0]
+    (out / "model.safetensors.index.json").write_text(text[:first] + key_line + "," + text[first:])
+    with pytest.raises(ShardIndexError, match="twice"):
+        bridge.load_checkpoint(out)
+
+
+def test_missing_tensor_for_flags(ck):
+    _edit_config(ck, lambda c: c.update(norm_before_fc=True))  # requires input_norm.weight
+    with pytest.raises(TensorMismatchError, match="input_norm.weight"):
+        bridge.load_checkpoint(ck)
+
+
+def test_unexpected_tensor_for_algorithm(spec_ckpts, tmp_path):
+    d = tmp_path / "d"
+    shutil.copytree(spec_ckpts["eagle3-llama-f32"], d)
+    s = bridge.open_tensors(d)
+    flat = {n: np.asarray(s.array(n)) for n in s.names}
+    flat["mask_hidden"] = np.zeros((1, 1, 96), np.float32)  # a P-EAGLE tensor in an EAGLE-3 checkpoint
+    write_safetensors(d / "model.safetensors", flat, {"format": "pt"})
+    with pytest.raises(TensorMismatchError, match="unexpected.*mask_hidden"):
+        bridge.load_checkpoint(d)
+
+
+def test_shape_disagrees_with_config(ck):
+    _edit_config(ck, lambda c: c["transformer_layer_config"].update(intermediate_size=65))
+    with pytest.raises(TensorMismatchError, match=r"mlp\..*shape"):
+        bridge.load_checkpoint(ck)
+
+
+def test_inputs_never_modified_and_failed_write_leaves_nothing(spec_ckpts, tmp_path, monkeypatch):
+    src = spec_ckpts["dflash-llama-bf16"]
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    ck = bridge.load_checkpoint(src)
+    import bridge.safetensors_io as sio
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sio, "write_safetensors", boom)
+    with pytest.raises(OSError):
+        bridge.save_checkpoint(tmp_path / "out", ck.config, ck.tree)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []  # no temp dir left behind
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_refuses_existing_destination(spec_ckpts, tmp_path):
+    ck = bridge.load_checkpoint(spec_ckpts["mtp-qwen3-f32"])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(WriteError, match="destination exists"):
+        bridge.save_checkpoint(tmp_path / "out", ck.config, ck.tree)
+    with pytest.raises(WriteError, match="destination exists"):
+        bridge.save_orbax(tmp_path / "out", ck.config, ck.tree)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    bridge.save_checkpoint(tmp_path / "out", ck.config, ck.tree, overwrite=True)
+    assert not (tmp_path / "out" / "keep.txt").exists()
+
+
+def test_all_errors_share_one_base():
+    for cls in (CheckpointNotFoundError, ConfigError, UnknownModelTypeError, SafetensorsFormatError, ShardIndexError,
+                TensorMismatchError, WriteError):
+        assert issubclass(cls, BridgeError)
