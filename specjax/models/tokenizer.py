@@ -1,0 +1,220 @@
+"""A torch-free tokenizer: a ``tokenizers.Tokenizer`` plus special tokens and a jinja chat
+template, built from a GGUF's vocabulary/merges or from an HF ``tokenizer.json``.
+
+The GGUF byte-level BPE build mirrors transformers' own GGUF loader (``GPT2Tokenizer`` backend:
+vocabulary spelled in the byte-to-unicode alphabet, merges as given, ``ByteLevel`` pre-tokenizer
+and decoder, or a llama.cpp ``tokenizer.ggml.pre`` split regex where one is known; control tokens
+added as special, user-defined tokens as plain added tokens), so ids equal what
+``AutoTokenizer.from_pretrained(..., gguf_file=...)`` produces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from specjax.models.errors import GGUFError, UnsupportedGGUFError
+
+# llama.cpp tokenizer.ggml.pre -> split regex (as in transformers' GGUF tokenizer mapping).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+CONTROL, USER_DEFINED = 3, 4
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-unicode map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+class Tokenizer:
+    """encode / decode / apply_chat_template over a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, backend, *, chat_template: str | None = None, bos_token: str | None = None,
+                 eos_token: str | None = None, pad_token: str | None = None, unk_token: str | None = None,
+                 add_bos_token: bool = False, add_eos_token: bool = False):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
+        self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
+
+    # ------------------------------------------------------------------ ids
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def bos_token_id(self):
+        return self.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self):
+        return self.token_to_id(self.eos_token)
+
+    @property
+    def pad_token_id(self):
+        return self.token_to_id(self.pad_token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_token_id is not None:
+                ids = [self.bos_token_id] + ids
+            if self.add_eos_token and self.eos_token_id is not None:
+                ids = ids + [self.eos_token_id]
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        return [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                            tokenize: bool = False, **extra):
+        """Render ``messages`` with the model's jinja template (transformers' environment:
+        trim_blocks, lstrip_blocks, loop controls, ``raise_exception``, ``tojson``)."""
+        if not self.chat_template:
+            raise GGUFError("this tokenizer has no chat template; pass plain prompts (without --chat)")
+        text = _render(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
+                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    # ------------------------------------------------------------------ build / save
+    @classmethod
+    def from_gguf(cls, gf) -> "Tokenizer":
+        """From a :class:`specjax.models.gguf.GGUFFile` (or a path to one)."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as Backend
+
+        if not hasattr(gf, "reader"):
+            from specjax.models.gguf import GGUFFile
+
+            gf = GGUFFile(gf)
+        kind = gf.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedGGUFError(f"tokenizer.ggml.model {kind!r} is not supported; expected 'gpt2' (byte-level BPE)",
+                                       path=gf.path, key="tokenizer.ggml.model")
+        tokens = gf.get("tokenizer.ggml.tokens")
+        merges = gf.get("tokenizer.ggml.merges")
+        if tokens is None or merges is None:
+            raise GGUFError("metadata lacks tokenizer.ggml.tokens / tokenizer.ggml.merges", path=gf.path,
+                            key="tokenizer.ggml.tokens")
+        types = gf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        spelling = bytes_to_unicode()
+        alphabet = set(spelling.values())
+        vocab = {}
+        for i, t in enumerate(tokens):
+            spelled = t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
+            vocab[spelled] = i
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
+                         continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+        tok = Backend(bpe)
+        split = PRE_TOKENIZER_SPLITS.get(gf.get("tokenizer.ggml.pre"))
+        if split is None:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])
+        tok.decoder = decoders.ByteLevel()
+        control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+                   if ty == CONTROL and set(t) <= alphabet]
+        if control:
+            tok.add_special_tokens(control)
+        user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+                if ty == USER_DEFINED and t in vocab]
+        if user:
+            tok.add_tokens(user)
+
+        def tok_of(key):
+            v = gf.get(key)
+            return None if v is None or not 0 <= int(v) < len(tokens) else tokens[int(v)]
+
+        return cls(tok, chat_template=gf.get("tokenizer.chat_template"), bos_token=tok_of("tokenizer.ggml.bos_token_id"),
+                   eos_token=tok_of("tokenizer.ggml.eos_token_id"), pad_token=tok_of("tokenizer.ggml.padding_token_id"),
+                   unk_token=tok_of("tokenizer.ggml.unknown_token_id"),
+                   add_bos_token=bool(gf.get("tokenizer.ggml.add_bos_token", False)),
+                   add_eos_token=bool(gf.get("tokenizer.ggml.add_eos_token", False)))
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike) -> "Tokenizer | None":
+        """From an HF directory's ``tokenizer.json`` (+ ``tokenizer_config.json`` / ``chat_template.jinja``);
+        None when the directory has no tokenizer.json."""
+        from tokenizers import Tokenizer as Backend
+
+        d = Path(directory)
+        if not (d / "tokenizer.json").is_file():
+            return None
+        tok = Backend.from_file(str(d / "tokenizer.json"))
+        cfg = {}
+        if (d / "tokenizer_config.json").is_file():
+            cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+        template = cfg.get("chat_template")
+        if (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        if isinstance(template, list):  # [{name, template}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+
+        def name(k):
+            v = cfg.get(k)
+            return v.get("content") if isinstance(v, dict) else v
+
+        # A post-processor in tokenizer.json adds its own specials; only without one do the
+        # tokenizer_config flags apply (e.g. a directory written by :meth:`save`).
+        own = tok.post_processor is None
+        return cls(tok, chat_template=template, bos_token=name("bos_token"), eos_token=name("eos_token"),
+                   pad_token=name("pad_token"), unk_token=name("unk_token"),
+                   add_bos_token=own and bool(cfg.get("add_bos_token", False)),
+                   add_eos_token=own and bool(cfg.get("add_eos_token", False)))
+
+    def save(self, directory: str | os.PathLike) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(d / "tokenizer.json"))
+        cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
+               "unk_token": self.unk_token, "add_bos_token": self.add_bos_token,
+               "add_eos_token": self.add_eos_token, "tokenizer_class": "PreTrainedTokenizerFast"}
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _render(template: str, **ctx) -> str:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise jinja2.exceptions.TemplateError(msg)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(**ctx)
