@@ -20,6 +20,7 @@ app = typer.Typer(
 
 COMMAND_MODULES = [
     "specjax.commands.bridge_cmds",  # inspect, audit, convert
+    "specjax.commands.generate",  # generate
 ]
 
 for _mod in COMMAND_MODULES:

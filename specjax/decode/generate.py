@@ -180,3 +180,70 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
     toks, num, eos_hit = np.asarray(toks), np.asarray(num), np.asarray(eos_hit)
     return GenerationResult(tokens=[toks[i, : num[i]].tolist() for i in range(len(prompts))],
                             stop_reasons=["eos" if e else "length" for e in eos_hit], prompt_lengths=lens)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+@dataclass
+class Completion:
+    text: str | None  # None when the target has no tokenizer
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    stop_reason: str  # "eos" | "length"
+
+
+_LOADED: dict = {}
+
+
+def _get_target(target, dtype, cache_dir):
+    from specjax.models.loading import LoadedTarget, load_target
+
+    if isinstance(target, LoadedTarget):
+        return target
+    if isinstance(target, CausalLM):
+        return LoadedTarget(target, target.config, None, "<module>", "module")
+    key = (None if target is None else str(target), str(dtype))
+    if key not in _LOADED:
+        _LOADED[key] = load_target(target, dtype=dtype, cache_dir=cache_dir)
+    return _LOADED[key]
+
+
+def generate(prompts, *, target=None, chat: bool = False, max_new_tokens: int = 64, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, dtype=None, eos_token_ids: Sequence[int] | None = None,
+             cache_dir=None) -> list[Completion]:
+    """Target-only generation.
+
+    prompts: a string, a list of strings, or a list of token-id lists. target: None/"default"
+    (embedded SmolLM2), a .gguf path, an HF directory, a cached HF repo id, a ``LoadedTarget``
+    or a ``CausalLM`` (ids only). chat=True renders each string prompt as one user message
+    through the model's chat template. temperature 0 is greedy. Returns one
+    :class:`Completion` per prompt. Loaded targets are memoised per (target, dtype).
+    """
+    lt = _get_target(target, dtype, cache_dir)
+    tok = lt.tokenizer
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompts = list(prompts)
+    ids: list[list[int]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tok is None:
+                raise ValueError("this target has no tokenizer; pass token-id prompts")
+            if chat:
+                ids.append(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                   tokenize=True))
+            else:
+                ids.append(tok.encode(p))
+        else:
+            ids.append([int(t) for t in p])
+    eos = lt.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
+    res = generate_ids(lt.model, ids, max_new_tokens=max_new_tokens,
+                       sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
+                       eos_token_ids=eos, pad_id=pad)
+    out = []
+    for p, t, r in zip(ids, res.tokens, res.stop_reasons):
+        out.append(Completion(text=None if tok is None else tok.decode(t, skip_special_tokens=True), token_ids=t,
+                              prompt_token_ids=p, stop_reason=r))
+    return out
