@@ -1,0 +1,145 @@
+"""Pieces every draft shares: the vocabulary heads (``DraftVocabMixin``), the draft KV
+cache, attention over a cache with an explicit mask, and packing helpers.
+
+Draft KV cache (:class:`DraftCache`, a pytree NamedTuple)::
+
+    k, v     one [batch, max_len, kv_heads, head_dim] array per draft layer (post-rope keys,
+             post-k_norm for Qwen3-style layers)
+    lengths  int32 [batch]: committed context rows of each sequence
+
+Context rows are written at slots ``lengths[b] + arange(n)`` and advance ``lengths``.
+Drafting writes scratch rows at slots ``>= lengths[b]`` without advancing it, so after
+verification the next context write simply overwrites them (rollback = ``lengths`` only).
+Masks are built from slot indices, so the position ids (RoPE) can be anything.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.models.drafts.spec import DecoderSpec
+from specjax.models.layers import INIT_STD, RMSNorm, attend, dense
+from specjax.models.rope import apply_rope
+
+
+class VocabBuffer(nnx.Variable):
+    """Non-trainable integer/bool buffers (``t2d`` [V] bool, ``d2t`` [Vd] int)."""
+
+
+class DraftCache(NamedTuple):
+    k: tuple
+    v: tuple
+    lengths: jax.Array
+
+    @classmethod
+    def init(cls, spec: DecoderSpec, batch: int, max_len: int, dtype=jnp.float32, lengths=None,
+             num_layers: int | None = None) -> "DraftCache":
+        n = spec.num_layers if num_layers is None else num_layers
+        shape = (batch, max_len, spec.kv_heads, spec.head_dim)
+        ln = jnp.zeros((batch,), jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        return cls(tuple(jnp.zeros(shape, dtype) for _ in range(n)), tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+                   ln)
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    def rollback(self, lengths) -> "DraftCache":
+        return self._replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def write_rows(buf, slots, rows):
+    """buf [B, S, ...]; slots int [B, n]; rows [B, n, ...] -> buf with rows at slots (out of range dropped)."""
+    b = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[b, slots].set(rows.astype(buf.dtype), mode="drop")
+
+
+def cache_mask(max_len: int, ctx_slot, *, window: int | None = None, win_ref=None, lo=None, hi=None):
+    """Boolean [B, 1, n, S] over cache slots for n queries.
+
+    A query sees context slots ``kv <= ctx_slot`` (and ``kv > win_ref - window`` on sliding
+    layers; ``win_ref`` defaults to ``ctx_slot``; slot ``ctx_slot`` itself always), plus the
+    scratch range ``lo <= kv <= hi`` (its own draft chain). All index arrays are int [B, n].
+    """
+    kv = jnp.arange(max_len, dtype=jnp.int32)[None, None, :]
+    c = ctx_slot[..., None]
+    m = kv <= c
+    if window is not None:
+        ref = c if win_ref is None else win_ref[..., None]
+        m &= (kv > ref - window) | (kv == c)
+    if lo is not None:
+        m |= (kv >= lo[..., None]) & (kv <= hi[..., None])
+    return m[:, None]
+
+
+def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=None):
+    """One attention block on already-normed input ``x_in`` [B, n, d_in].
+
+    Keys/values: ``kv_prefix`` (list of (k, v) pairs prepended in order, training), or a
+    cache pair ``(K [B,S,...], V)`` into which the new rows are written at ``slots``.
+    Returns (output [B, n, hidden], (k, v) of the new rows, updated cache pair or None).
+    """
+    q, k, v = attn.project(x_in)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    new_cache = None
+    if cache is not None:
+        K, V = write_rows(cache[0], slots, k), write_rows(cache[1], slots, v)
+        new_cache = (K, V)
+        kk, vv = K.astype(q.dtype), V.astype(q.dtype)
+    elif kv_prefix:
+        kk = jnp.concatenate([p[0] for p in kv_prefix] + [k], axis=1)
+        vv = jnp.concatenate([p[1] for p in kv_prefix] + [v], axis=1)
+    else:
+        kk, vv = k, v
+    o = attend(q, kk, vv, mask, scale=attn.scaling)
+    return attn.output(o), (k, v), new_cache
+
+
+def mlp_block(layer, x):
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def init_vocab(module, spec: DecoderSpec, draft_vocab_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+               verifier_heads: bool = True, verifier_norm_unit_offset: bool = False):
+    """``DraftVocabMixin._init_vocab``: embed_tokens [V, H], lm_head H -> Vd, verifier_lm_head,
+    verifier_norm, and the t2d/d2t buffers when the vocabulary is pruned."""
+    H, V = spec.hidden, spec.vocab_size
+    module.vocab_size = V
+    module.draft_vocab_size = int(draft_vocab_size)
+    module.embed_tokens = nnx.Embed(V, H, rngs=rngs, param_dtype=param_dtype,
+                                    embedding_init=nnx.initializers.normal(INIT_STD))
+    module.lm_head = dense(H, draft_vocab_size, bias=False, rngs=rngs, param_dtype=param_dtype)
+    if verifier_heads:
+        module.verifier_lm_head = dense(H, draft_vocab_size, bias=False, rngs=rngs, param_dtype=param_dtype)
+        module.verifier_norm = RMSNorm(H, spec.eps, param_dtype=param_dtype, unit_offset=verifier_norm_unit_offset)
+    if draft_vocab_size != V:
+        module.t2d = VocabBuffer(jnp.zeros((V,), bool))
+        module.d2t = VocabBuffer(jnp.zeros((draft_vocab_size,), jnp.int32))
+    else:
+        module.t2d = None
+        module.d2t = None
+
+
+def d2t_of(module):
+    return None if module.d2t is None else module.d2t[...]
+
+
+def verifier_targets(module, verifier_last_hidden_states):
+    """``verifier_lm_head(verifier_norm(y))`` under stop_gradient: the training targets [.., Vd]."""
+    y = jax.lax.stop_gradient(verifier_last_hidden_states)
+    return jax.lax.stop_gradient(module.verifier_lm_head(module.verifier_norm(y)))
+
+
+def last_valid(x, n_valid):
+    """x [B, n, ...] -> x[b, n_valid[b] - 1] [B, ...]."""
+    idx = (n_valid - 1).astype(jnp.int32)
+    return jnp.take_along_axis(x, idx.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
+
+
+def greedy(logits, key=None):  # noqa: ARG001
+    """Default draft sampler: argmax (first index on ties, like torch)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)

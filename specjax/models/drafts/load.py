@@ -1,0 +1,111 @@
+"""Build a ready draft from a speculators checkpoint and its verifier (target).
+
+``load_draft(path, target)``:
+1. ``bridge.audit(path, verifier)``: any error refuses the load (:class:`DraftAuditError`).
+2. ``bridge.load_checkpoint``: typed config + lazy tensors.
+3. t2d/d2t validated (:func:`vocab.check_mapping`).
+4. Verifier-owned tensors filled from the target exactly as speculators does
+   (:mod:`verifier_weights`); still absent/NaN is an error naming the tensor.
+5. The module for ``speculators_model_type`` is built (abstract, no random init) and every
+   param is loaded through :func:`specjax.models.params.load_tree` (path-level errors).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.models.drafts.verifier_weights import VerifierSource, fill_verifier_weights
+from specjax.models.drafts.vocab import check_mapping
+from specjax.models.errors import ModelError
+from specjax.models.params import load_tree
+
+
+class DraftAuditError(ModelError):
+    """``bridge.audit`` found contract errors in the checkpoint; the load is refused."""
+
+
+_CLASSES = {"eagle3": ("eagle3", "Eagle3Draft"), "peagle": ("peagle", "PEagleDraft"),
+            "dflash": ("dflash", "DFlashDraft"), "dspark": ("dspark", "DSparkDraft"), "mtp": ("mtp", "MTPDraft")}
+
+
+def draft_class(algorithm: str) -> type:
+    import importlib
+
+    mod, name = _CLASSES[algorithm]
+    return getattr(importlib.import_module(f"specjax.models.drafts.{mod}"), name)
+
+
+def build_draft(config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32, abstract: bool = False,
+                verifier_norm_unit_offset: bool = False):
+    """The (randomly initialised, or ``abstract``) draft module for a bridge config."""
+    cls = draft_class(config.speculators_model_type)
+    kw = {"param_dtype": param_dtype}
+    if config.speculators_model_type in ("dflash", "dspark"):
+        kw["verifier_norm_unit_offset"] = verifier_norm_unit_offset
+    if abstract:
+        return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), **kw))
+    return cls(config, rngs=rngs or nnx.Rngs(0), **kw)
+
+
+def _source(target: Any, config) -> VerifierSource | None:
+    if target is not None:
+        return VerifierSource.of(target)
+    vp = config.verifier_path
+    if vp and Path(vp).is_dir():
+        return VerifierSource.from_dir(vp)
+    return None
+
+
+def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifier_norm_unit_offset: bool = False):
+    """Build the draft for ``config`` and load a complete flat (PyTorch-layout) tensor dict."""
+    from bridge import layout
+
+    flat = dict(flat)
+    t2d, d2t = flat.pop("t2d", None), flat.pop("d2t", None)
+    tree = layout.unflatten(flat, layout.TABLES[config.speculators_model_type], where=where)
+    ref = np.asarray(flat["lm_head.weight"]).dtype
+    pdtype = dtype or ref
+    model = build_draft(config, param_dtype=pdtype, abstract=True, verifier_norm_unit_offset=verifier_norm_unit_offset)
+    load_tree(model, tree, where=where, dtype=dtype)
+    if config.draft_vocab_size != config.layer.vocab_size:
+        model.t2d.value = jnp.asarray(np.asarray(t2d).astype(bool))
+        model.d2t.value = jnp.asarray(np.asarray(d2t).astype(np.int32))
+    return model
+
+
+def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit: bool = True):
+    """A ready draft module from checkpoint ``path`` and its verifier ``target`` (an HF
+    directory, a loaded specjax target model, or a ``{name: array}`` mapping). ``target=None``
+    uses ``speculators_config.verifier.name_or_path`` when that directory exists (as
+    speculators does); without any verifier every verifier-owned tensor must be in the
+    checkpoint. ``dtype``: None keeps the checkpoint's float dtype."""
+    import bridge
+
+    path = Path(path)
+    if audit:
+        vdir = target if isinstance(target, (str, os.PathLike)) else getattr(target, "path", None)
+        rep = bridge.audit(path, verifier=vdir)
+        if getattr(rep, "unreadable", None):
+            raise DraftAuditError(f"audit could not read the checkpoint: {rep.unreadable}", path=str(path))
+        if rep.errors:
+            msgs = "; ".join(f"[{f.rule}] {f.message}" for f in rep.errors[:6])
+            raise DraftAuditError(f"audit found {len(rep.errors)} error(s): {msgs}", path=str(path),
+                                  key=rep.errors[0].key)
+    ckpt = bridge.load_checkpoint(path)
+    cfg = ckpt.config
+    lc = cfg.layer
+    flat = ckpt.flat()
+    check_mapping(flat.get("t2d"), flat.get("d2t"), vocab_size=lc.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
+                  where=str(path))
+    source = _source(target, cfg)
+    flat = fill_verifier_weights(cfg.speculators_model_type, flat, hidden_size=lc.hidden_size,
+                                 vocab_size=lc.vocab_size, draft_vocab_size=cfg.draft_vocab_size, source=source,
+                                 where=str(path))
+    unit = bool(source is not None and source.gemma_style_norm and cfg.speculators_model_type in ("dflash", "dspark"))
+    return module_from_flat(cfg, flat, dtype=dtype, where=str(path), verifier_norm_unit_offset=unit)

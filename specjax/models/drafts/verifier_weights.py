@@ -1,0 +1,226 @@
+"""Fill the verifier-owned draft tensors from the target, exactly as speculators 0.9.0 does
+(``DraftVocabMixin._load_verifier_weights``, ``utils/loading.py``).
+
+Tensors (flat PyTorch names): ``embed_tokens.weight`` [V, H], ``lm_head.weight`` [Vd, H],
+``verifier_lm_head.weight`` [Vd, H], ``verifier_norm.weight`` [H] (not MTP).
+
+Lookup in the verifier, per wanted name (``_resolve_key``): for the name and then each alias,
+an exact key, else the *shortest* key ending with it (plain ``str.endswith``, no dot boundary).
+Aliases: embed ``tok_embeddings.weight``, ``llm.embed.weight``, ``backbone.embeddings.weight``;
+lm_head ``output.weight``, ``llm.unembed.weight``; final norm ``llm.norm.weight``,
+``backbone.norm_f.weight``, ``norm.weight``. A verifier without an lm_head (tied embeddings)
+gives the embedding. lm_head / verifier_lm_head rows are ``W[t2d]`` for a pruned vocabulary.
+
+When each tensor is (re)written, per algorithm:
+
+=============  ==========================  =================================  ================  ==============
+algorithm      embed_tokens                lm_head                            verifier_lm_head  verifier_norm
+=============  ==========================  =================================  ================  ==============
+eagle3/peagle  only if absent or any NaN   only if absent or any NaN          always            always*
+dflash/dspark  always                      always (full vocab), else if NaN   always            always*
+mtp            always                      always                             (deleted)         (none)
+=============  ==========================  =================================  ================  ==============
+
+(*) ones, with a warning, when the verifier has no final norm, as speculators does.
+
+A tensor that is still absent or holds a NaN after this is an error naming it
+(:class:`MissingVerifierWeightsError`), never a silent NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from specjax.models.drafts.vocab import select_rows
+from specjax.models.errors import ModelError
+
+ALIASES: dict[str, list[str]] = {
+    "embed_tokens.weight": ["tok_embeddings.weight", "llm.embed.weight", "backbone.embeddings.weight"],
+    "lm_head.weight": ["output.weight", "llm.unembed.weight"],
+    "model.norm.weight": ["llm.norm.weight", "backbone.norm_f.weight", "norm.weight"],
+}
+# verifier families whose final norm is x * (1 + w) (speculators.models.utils, used by DFlash/DSpark only)
+GEMMA_STYLE_FINAL_NORM = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_5", "qwen3_5_text",
+                                    "recurrent_gemma"})
+VERIFIER_OWNED = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+class MissingVerifierWeightsError(ModelError):
+    """A verifier-owned draft tensor is absent or NaN and no verifier can supply it."""
+
+
+class VerifierSourceError(ModelError):
+    """The verifier given as the source of embeddings / lm_head lacks what speculators needs."""
+
+
+def resolve_key(name: str, keys) -> str | None:
+    """speculators ``_resolve_key``: exact, then shortest suffix match, for the name then each alias."""
+    keys = list(keys)
+    keyset = set(keys)
+    for cand in [name, *ALIASES.get(name, [])]:
+        if cand in keyset:
+            return cand
+        hits = [k for k in keys if k.endswith(cand)]
+        if hits:
+            return min(hits, key=len)
+    return None
+
+
+class VerifierSource:
+    """Named tensors of the verifier in PyTorch layout, fetched one at a time.
+
+    Build with :meth:`of`: an HF checkpoint directory, a ``bridge`` ``TensorStore``, a
+    ``{name: array}`` mapping, or a loaded target module (``specjax.models.CausalLM``; its
+    params are named through the ``hf_lm`` layout, so lookups see HF names).
+    """
+
+    def __init__(self, names, get: Callable[[str], np.ndarray], *, model_type: str | None = None, where: str = ""):
+        self.names = list(names)
+        self._get = get
+        self.model_type = model_type
+        self.where = where
+
+    def get(self, name: str) -> np.ndarray:
+        return self._get(name)
+
+    @classmethod
+    def of(cls, target: Any) -> "VerifierSource":
+        if isinstance(target, VerifierSource):
+            return target
+        if isinstance(target, (str, os.PathLike)):
+            return cls.from_dir(target)
+        if hasattr(target, "names") and hasattr(target, "array"):  # bridge TensorStore
+            return cls(target.names, target.array)
+        if isinstance(target, Mapping):
+            return cls(target.keys(), lambda n: np.asarray(target[n]))
+        inner = getattr(target, "model", None)
+        if hasattr(target, "config") and hasattr(inner, "embed_tokens"):  # specjax CausalLM
+            return cls.from_module(target)
+        for attr in ("path", "directory", "checkpoint_path"):
+            if isinstance(getattr(target, attr, None), (str, os.PathLike)):
+                return cls.from_dir(getattr(target, attr))
+        raise VerifierSourceError(f"cannot read verifier weights from a {type(target).__name__}; expected an HF "
+                                  "checkpoint directory, a tensor mapping, or a specjax target model")
+
+    @classmethod
+    def from_dir(cls, directory) -> "VerifierSource":
+        from bridge.safetensors_io import open_tensors
+
+        d = Path(directory)
+        store = open_tensors(d)
+        mt = None
+        cfg = d / "config.json"
+        if cfg.is_file():
+            doc = json.loads(cfg.read_text(encoding="utf-8"))
+            doc = doc.get("text_config", doc) if isinstance(doc.get("text_config"), dict) else doc
+            mt = str(doc.get("model_type", "") or "").lower() or None
+        return cls(store.names, store.array, model_type=mt, where=str(d))
+
+    @classmethod
+    def from_module(cls, module) -> "VerifierSource":
+        from bridge.layout import path_to_flat
+        from specjax.models.params import param_paths
+
+        table = {}
+        for path, var in param_paths(module).items():
+            name, kind = path_to_flat(path)
+            table[name] = (var, kind)
+
+        def get(n):
+            var, kind = table[n]
+            a = np.asarray(var.value)
+            return a.T if kind == "linear" else a
+
+        family = getattr(getattr(module, "config", None), "family", None)
+        return cls(table, get, model_type=family, where=type(module).__name__)
+
+    @property
+    def gemma_style_norm(self) -> bool:
+        return self.model_type in GEMMA_STYLE_FINAL_NORM
+
+    def lookup(self, name: str) -> np.ndarray | None:
+        key = resolve_key(name, self.names)
+        return None if key is None else self.get(key)
+
+
+def _has_nan(a) -> bool:
+    a = np.asarray(a)
+    if a.dtype.kind == "f" or "float" in a.dtype.name:
+        return bool(np.isnan(a.astype(np.float32)).any())
+    return False
+
+
+def owned_tensors(algo: str) -> tuple[str, ...]:
+    return ("embed_tokens.weight", "lm_head.weight") if algo == "mtp" else VERIFIER_OWNED
+
+
+def fill_verifier_weights(algo: str, flat: Mapping[str, Any], *, hidden_size: int, vocab_size: int,
+                          draft_vocab_size: int, source: VerifierSource | None, dtype=None,
+                          where: str | None = None) -> dict[str, Any]:
+    """Return ``flat`` (PyTorch-layout names) with the verifier-owned tensors filled per the
+    table above. ``dtype``: the dtype the filled tensors get (default: the checkpoint's own
+    embedding / fc dtype, else float32)."""
+    out = dict(flat)
+    pruned = draft_vocab_size != vocab_size
+    t2d = np.asarray(out["t2d"]) if pruned and "t2d" in out else None
+    if dtype is None:
+        ref = next((out[n] for n in ("embed_tokens.weight", "fc.weight", "lm_head.weight") if n in out), None)
+        dtype = np.asarray(ref).dtype if ref is not None else np.float32
+
+    def needs(name: str) -> bool:
+        return name not in out or _has_nan(out[name])
+
+    if source is not None:
+        embed = source.lookup("embed_tokens.weight")
+        if embed is None:
+            raise VerifierSourceError(f"the verifier has no embedding tensor (looked for 'embed_tokens.weight' and "
+                                      f"its aliases {ALIASES['embed_tokens.weight']})", path=source.where,
+                                      key="embed_tokens.weight")
+        if tuple(embed.shape) != (vocab_size, hidden_size):
+            raise VerifierSourceError(f"verifier embedding has shape {list(embed.shape)}; the draft needs "
+                                      f"[{vocab_size}, {hidden_size}]", path=source.where, key="embed_tokens.weight")
+        lm = source.lookup("lm_head.weight")
+        lm = embed if lm is None else lm
+        if tuple(lm.shape) != (vocab_size, hidden_size):
+            raise VerifierSourceError(f"verifier lm_head has shape {list(lm.shape)}; the draft needs "
+                                      f"[{vocab_size}, {hidden_size}]", path=source.where, key="lm_head.weight")
+        if pruned and t2d is None:
+            raise MissingVerifierWeightsError("the draft vocabulary is pruned but the checkpoint has no t2d, so the "
+                                              "lm_head rows cannot be selected", path=where, key="t2d")
+        rows = select_rows(lm, t2d)
+        always_embed = algo in ("dflash", "dspark", "mtp")
+        always_lm = algo == "mtp" or (algo in ("dflash", "dspark") and not pruned)
+        if always_embed or needs("embed_tokens.weight"):
+            out["embed_tokens.weight"] = np.asarray(embed).astype(dtype)
+        if always_lm or needs("lm_head.weight"):
+            out["lm_head.weight"] = np.asarray(rows).astype(dtype)
+        if algo != "mtp":
+            out["verifier_lm_head.weight"] = np.asarray(rows).astype(dtype)
+            norm = source.lookup("model.norm.weight")
+            if norm is None:
+                warnings.warn(f"Could not find final norm weights in {source.where or 'the verifier'}; using ones "
+                              "for verifier_norm (speculators does the same)", UserWarning, stacklevel=2)
+                norm = np.ones((hidden_size,), np.float32)
+            if tuple(np.shape(norm)) != (hidden_size,):
+                raise VerifierSourceError(f"verifier final norm resolved to a tensor of shape {list(np.shape(norm))}; "
+                                          f"expected [{hidden_size}]", path=source.where, key="model.norm.weight")
+            out["verifier_norm.weight"] = np.asarray(norm).astype(dtype)
+    elif algo == "mtp":
+        out.pop("verifier_lm_head.weight", None)
+    bad = [n for n in owned_tensors(algo) if needs(n)]
+    if bad:
+        what = ", ".join(f"{n} ({'absent' if n not in out else 'NaN'})" for n in bad)
+        raise MissingVerifierWeightsError(
+            f"{what}: these verifier-owned tensors are not in the checkpoint (or hold NaN sentinels) and no verifier "
+            "was given to fill them; pass the target model (directory or loaded model) as the verifier",
+            path=where, key=bad[0])
+    if algo == "mtp":
+        out.pop("verifier_lm_head.weight", None)
+        out.pop("verifier_norm.weight", None)
+    return out
