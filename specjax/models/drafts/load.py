@@ -74,8 +74,8 @@ def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifie
     model = build_draft(config, param_dtype=pdtype, abstract=True, verifier_norm_unit_offset=verifier_norm_unit_offset)
     load_tree(model, tree, where=where, dtype=dtype)
     if config.draft_vocab_size != config.layer.vocab_size:
-        model.t2d.value = jnp.asarray(np.asarray(t2d).astype(bool))
-        model.d2t.value = jnp.asarray(np.asarray(d2t).astype(np.int32))
+        model.t2d.set_value(jnp.asarray(np.asarray(t2d).astype(bool)))
+        model.d2t.set_value(jnp.asarray(np.asarray(d2t).astype(np.int32)))
     return model
 
 
