@@ -54,13 +54,13 @@ class LayerConfig(_Strict):
 
     model_config = ConfigDict(extra="allow", strict=False)
     model_type: str = "qwen3"  # speculators rebuilds a Qwen3Config when the key is absent
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int
-    num_hidden_layers: int
-    vocab_size: int
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int | None = Field(None, gt=0)
+    head_dim: int | None = Field(None, gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(ge=0)
+    vocab_size: int = Field(gt=0)
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
     attention_bias: bool = False
@@ -255,7 +255,7 @@ def parse_config(raw: Any, *, path: str | None = None) -> DraftConfig:
         raise UnknownModelTypeError(
             "no 'speculators_model_type' key; expected one of " + ", ".join(ALGORITHMS)
             + " (speculators refuses to guess, and so does specjax)", path=path, key="speculators_model_type")
-    if mt not in DraftConfig.REGISTRY:
+    if not isinstance(mt, str) or mt not in DraftConfig.REGISTRY:
         raise UnknownModelTypeError(
             f"speculators_model_type {mt!r} is not supported; expected one of {', '.join(ALGORITHMS)}",
             path=path, key="speculators_model_type")
