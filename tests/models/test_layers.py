@@ -1,0 +1,157 @@
+"""Shared blocks against their transformers counterparts (PyTorch float32 CPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from specjax.models.layers import RMSNorm, attend, causal_mask
+from specjax.models.rope import RopeConfig, RopeConfigError, apply_rope, rope_cos_sin
+from tests.models.conftest import rel_err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rmsnorm_matches_hf_cast_before_weight(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 16)).astype(np.float32) * 3
+    w = (1 + 0.1 * rng.normal(size=16)).astype(np.float32)
+    ref = LlamaRMSNorm(16, eps=1e-6)
+    ref.weight.data = torch.tensor(w)
+    tdt = getattr(torch, dtype)
+    ref = ref.to(tdt)
+    want = ref(torch.tensor(x).to(tdt)).detach().float().numpy()
+    n = RMSNorm(16, 1e-6, param_dtype=getattr(jnp, dtype))
+    n.scale[...] = jnp.asarray(w, getattr(jnp, dtype))
+    got = np.asarray(n(jnp.asarray(x, getattr(jnp, dtype))).astype(jnp.float32))
+    tol = 1e-6 if dtype == "float32" else 0  # bf16 must agree bit-for-bit (same op order)
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+
+
+def test_rmsnorm_unit_offset_matches_qwen3_5_style():
+    x = np.random.default_rng(1).normal(size=(3, 8)).astype(np.float32)
+    w = np.random.default_rng(2).normal(size=8).astype(np.float32) * 0.1
+    n = RMSNorm(8, 1e-6, unit_offset=True)
+    assert np.all(np.asarray(n.scale[...]) == 0)  # (1 + 0) = identity scale at init
+    n.scale[...] = jnp.asarray(w)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * (1 + w)
+    assert rel_err(n(jnp.asarray(x)), want) < 1e-6
+
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn_mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                    "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROPES))
+def test_rope_cos_sin_match_hf(name):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=64,
+                      rope_parameters=dict(ROPES[name]))
+    rot = LlamaRotaryEmbedding(cfg)
+    # dynamic: positions beyond max_position_embeddings stretch the base
+    top = 100 if name == "dynamic" else 60
+    pos = np.stack([np.arange(top - 20, top), np.arange(20)]).astype(np.int64)
+    c_ref, s_ref = rot(torch.zeros(1, dtype=torch.float32), torch.tensor(pos))
+    rc = RopeConfig.from_hf(cfg.to_dict(), head_dim=16)
+    assert rc.rope_type == ROPES[name]["rope_type"]
+    c, s = rope_cos_sin(jnp.asarray(pos, jnp.int32), rc)
+    assert np.abs(np.asarray(c) - c_ref.numpy()).max() < 2e-6
+    assert np.abs(np.asarray(s) - s_ref.numpy()).max() < 2e-6
+
+
+def test_rope_legacy_keys_and_errors():
+    rc = RopeConfig.from_hf({"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 3.0}}, head_dim=8)
+    assert (rc.rope_type, rc.theta, rc.factor) == ("linear", 5e5, 3.0)
+    with pytest.raises(RopeConfigError, match="longrope"):
+        RopeConfig.from_hf({"rope_parameters": {"rope_type": "longrope"}}, head_dim=8)
+    with pytest.raises(RopeConfigError, match="factor"):
+        RopeConfig.from_hf({"rope_parameters": {"rope_type": "linear"}}, head_dim=8)
+
+
+def test_apply_rope_matches_hf_and_partial_passthrough():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)  # [B, T, H, D]
+    rc = RopeConfig(head_dim=8, theta=100.0)
+    pos = jnp.asarray(np.tile(np.arange(5), (2, 1)))
+    c, s = rope_cos_sin(pos, rc)
+    qt = torch.tensor(q).transpose(1, 2)
+    want, _ = apply_rotary_pos_emb(qt, qt, torch.tensor(np.asarray(c)), torch.tensor(np.asarray(s)))
+    assert np.abs(np.asarray(apply_rope(jnp.asarray(q), c, s)) - want.transpose(1, 2).numpy()).max() < 1e-6
+    # partial rotary: the first 4 channels rotate, the rest pass through
+    rp = RopeConfig(head_dim=8, theta=100.0, rotary_dim=4)
+    c4, s4 = rope_cos_sin(pos, rp)
+    out = np.asarray(apply_rope(jnp.asarray(q), c4, s4))
+    assert c4.shape[-1] == 4 and np.array_equal(out[..., 4:], q[..., 4:])
+    assert not np.allclose(out[:, 1:, :, :4], q[:, 1:, :, :4])
+
+
+def test_attend_gqa_and_masks_match_naive_softmax():
+    rng = np.random.default_rng(0)
+    B, T, S, H, K, D = 2, 3, 7, 4, 2, 8
+    q = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    k = rng.normal(size=(B, S, K, D)).astype(np.float32)
+    v = rng.normal(size=(B, S, K, D)).astype(np.float32)
+    mask = rng.random((B, 1, T, S)) < 0.6
+    mask[..., 0] = True
+    got = np.asarray(attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), scale=D**-0.5))
+    kk, vv = np.repeat(k, H // K, axis=2), np.repeat(v, H // K, axis=2)
+    logits = np.einsum("bthd,bshd->bhts", q, kk) * D**-0.5
+    logits = np.where(mask, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("bhts,bshd->bthd", p, vv)
+    assert rel_err(got, want) < 1e-5
+    # a per-head mask [B, H, T, S] is accepted too, and [B, T, S] broadcasts over heads
+    got3 = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask[:, 0]), scale=D**-0.5)
+    gotH = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(np.repeat(mask, H, 1)), scale=D**-0.5)
+    assert np.allclose(got3, got, atol=1e-6) and np.allclose(gotH, got, atol=1e-6)
+
+
+def test_causal_mask_sliding_window_rule():
+    q = jnp.asarray([[5, 6]])
+    m = np.asarray(causal_mask(q, jnp.arange(8), sliding_window=3))[0, 0]
+    # HF: visible iff q - W < j <= q
+    assert m[0].tolist() == [False, False, False, True, True, True, False, False]
+    assert m[1].tolist() == [False, False, False, False, True, True, True, False]
+    valid = jnp.asarray([[True] * 7 + [False]])
+    assert not np.asarray(causal_mask(jnp.asarray([[7]]), jnp.arange(8), kv_valid=valid))[0, 0, 0, 7]
+
+
+def test_blocks_have_hf_param_names():
+    from flax import nnx
+
+    from specjax.models.layers import DecoderLayer
+    from specjax.models.params import param_paths
+
+    layer = DecoderLayer(16, 32, 4, 2, 8, rngs=nnx.Rngs(0), qk_norm=True, attn_in_features=32, attention_bias=True)
+    paths = {".".join(map(str, p)): tuple(v.shape) for p, v in param_paths(layer).items()}
+    assert paths["self_attn.q_proj.kernel"] == (32, 32)  # in = 2 * hidden (EAGLE-3 first layer)
+    assert paths["self_attn.k_proj.kernel"] == (32, 16)
+    assert paths["self_attn.o_proj.kernel"] == (32, 16)
+    assert paths["self_attn.q_norm.scale"] == (8,)
+    assert paths["self_attn.q_proj.bias"] == (32,)
+    assert {"input_layernorm.scale", "post_attention_layernorm.scale", "mlp.gate_proj.kernel", "mlp.up_proj.kernel",
+            "mlp.down_proj.kernel"} <= set(paths)
+    x = jax.random.normal(jax.random.key(0), (1, 4, 16))
+    from specjax.models.rope import RopeConfig
+
+    c, s = rope_cos_sin(jnp.arange(4)[None], RopeConfig(head_dim=8))
+    with pytest.raises(TypeError):  # q/k/v expect 32-wide input
+        layer(x, c, s)
