@@ -76,12 +76,14 @@ def cache_mask(max_len: int, ctx_slot, *, window: int | None = None, win_ref=Non
     return m[:, None]
 
 
-def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=None):
+def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=None, zero_empty_rows=False):
     """One attention block on already-normed input ``x_in`` [B, n, d_in].
 
     Keys/values: ``kv_prefix`` (list of (k, v) pairs prepended in order, training), or a
     cache pair ``(K [B,S,...], V)`` into which the new rows are written at ``slots``.
     Returns (output [B, n, hidden], (k, v) of the new rows, updated cache pair or None).
+    ``zero_empty_rows``: a query that may attend to nothing gets a zero attention output (what
+    torch's flex attention and CPU sdpa give; eager gives NaN), instead of a uniform average.
     """
     q, k, v = attn.project(x_in)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -96,6 +98,8 @@ def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=N
     else:
         kk, vv = k, v
     o = attend(q, kk, vv, mask, scale=attn.scaling)
+    if zero_empty_rows and mask is not None:
+        o = jnp.where(jnp.moveaxis(mask.any(-1), 1, -1)[..., None], o, 0)
     return attn.output(o), (k, v), new_cache
 
 

@@ -58,6 +58,48 @@ class Proposal(NamedTuple):
     cache: DraftCache
 
 
+class ChainProposer:
+    """``propose`` for drafts that chain one token at a time over a :class:`DraftCache`
+    (EAGLE-3, MTP): needs ``extend(cache, hidden_states, input_ids, positions, n_valid)`` and
+    ``step(cache, tokens, hidden, positions, s)``."""
+
+    def propose(self, cache: DraftCache, hidden_states, input_ids, positions, *, k: int | None = None, n_valid=None,
+                sample: Callable = greedy, key=None, forced=None) -> Proposal:
+        """Extend with the new context rows, then draft ``k`` (default ``speculative_tokens``) tokens
+        from each sequence's last row.
+        ``sample(logits [B, Vd], key) -> draft ids [B]`` (default greedy). ``forced`` [B, k-1]
+        target ids replaces the sampled token fed to chain steps 1..k-1 (teacher forcing; tests)."""
+        k = self.speculative_tokens if k is None else k
+        B, n = input_ids.shape
+        nv = jnp.full((B,), n, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+        ext = self.extend(cache, hidden_states, input_ids, positions, nv)
+        logits0 = last_valid(ext.logits, nv)
+        h0 = last_valid(ext.hidden, nv)
+        pos0 = last_valid(positions, nv)
+        keys = jax.random.split(key if key is not None else jax.random.key(0), k)
+        d2t = d2t_of(self)
+        d0 = sample(logits0, keys[0])
+
+        def body(carry, xs):
+            c, tok, h = carry
+            s, kk, f = xs
+            tok = tok if forced is None else f
+            o = self.step(c, tok, h, pos0 + s, s)
+            d = sample(o.logits, kk)
+            return (o.cache, draft_to_target(d, d2t), o.hidden), (d, o.logits)
+
+        if k > 1:
+            steps = jnp.arange(1, k, dtype=jnp.int32)
+            fx = jnp.zeros((k - 1, B), jnp.int32) if forced is None else jnp.asarray(forced, jnp.int32).T
+            (c, _, _), (ds, ls) = jax.lax.scan(body, (ext.cache, draft_to_target(d0, d2t), h0),
+                                               (steps, keys[1:], fx))
+            draft = jnp.concatenate([d0[:, None], ds.T], axis=1)
+            logits = jnp.concatenate([logits0[:, None], jnp.moveaxis(ls, 0, 1)], axis=1)
+        else:
+            c, draft, logits = ext.cache, d0[:, None], logits0[:, None]
+        return Proposal(draft_to_target(draft, d2t), draft, logits, c)
+
+
 class Eagle3FirstLayer(DecoderLayer):
     """Decoder layer on ``cat([embeds, hidden])``: q/k/v from 2H, ``hidden_norm`` on the hidden half,
     residual = hidden (normed with ``norm_before_residual``)."""
@@ -90,7 +132,7 @@ def ttt_mask(document_ids, window: int | None, steps_before: int):
     return jnp.concatenate([m0] + [eye] * steps_before, axis=-1)[:, None]
 
 
-class Eagle3Draft(nnx.Module):
+class Eagle3Draft(ChainProposer, nnx.Module):
     algorithm = "eagle3"
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
@@ -140,7 +182,7 @@ class Eagle3Draft(nnx.Module):
     def targets(self, verifier_last_hidden_states):
         return verifier_targets(self, verifier_last_hidden_states)
 
-    def _layers(self, e, h, cos, sin, masks, *, prefixes=None, cache=None, slots=None):
+    def _layers(self, e, h, cos, sin, masks, *, prefixes=None, cache=None, slots=None, zero_empty_rows=False):
         """Run all layers. masks: per-layer masks. prefixes: per-layer lists of (k, v) (training).
         Returns (out, new per-layer (k, v), new cache k/v lists)."""
         new_kv, ks, vs = [], [], []
@@ -152,7 +194,8 @@ class Eagle3Draft(nnx.Module):
                 xin, res = layer.input_layernorm(x), x
             c = None if cache is None else (cache.k[i], cache.v[i])
             a, kv, nc = attention(layer.self_attn, xin, cos, sin, masks[i],
-                                  kv_prefix=None if prefixes is None else prefixes[i], cache=c, slots=slots)
+                                  kv_prefix=None if prefixes is None else prefixes[i], cache=c, slots=slots,
+                                  zero_empty_rows=zero_empty_rows)
             x = mlp_block(layer, res + a)
             new_kv.append(kv)
             if nc is not None:
@@ -224,37 +267,3 @@ class Eagle3Draft(nnx.Module):
         out, _, (ks, vs) = self._layers(e, hidden[:, None], cos, sin, masks, cache=cache, slots=slots)
         logits, hid = self.head(out)
         return ChainOutput(logits[:, 0], hid[:, 0], cache._replace(k=tuple(ks), v=tuple(vs)))
-
-    def propose(self, cache: DraftCache, hidden_states, input_ids, positions, *, k: int, n_valid=None,
-                sample: Callable = greedy, key=None, forced=None) -> Proposal:
-        """Extend with the new context rows, then draft ``k`` tokens from each sequence's last row.
-        ``sample(logits [B, Vd], key) -> draft ids [B]`` (default greedy). ``forced`` [B, k-1]
-        target ids replaces the sampled token fed to chain steps 1..k-1 (teacher forcing; tests)."""
-        B, n = input_ids.shape
-        nv = jnp.full((B,), n, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
-        ext = self.extend(cache, hidden_states, input_ids, positions, nv)
-        logits0 = last_valid(ext.logits, nv)
-        h0 = last_valid(ext.hidden, nv)
-        pos0 = last_valid(positions, nv)
-        keys = jax.random.split(key if key is not None else jax.random.key(0), k)
-        d2t = d2t_of(self)
-        d0 = sample(logits0, keys[0])
-
-        def body(carry, xs):
-            c, tok, h = carry
-            s, kk, f = xs
-            tok = tok if forced is None else f
-            o = self.step(c, tok, h, pos0 + s, s)
-            d = sample(o.logits, kk)
-            return (o.cache, draft_to_target(d, d2t), o.hidden), (d, o.logits)
-
-        if k > 1:
-            steps = jnp.arange(1, k, dtype=jnp.int32)
-            fx = jnp.zeros((k - 1, B), jnp.int32) if forced is None else jnp.asarray(forced, jnp.int32).T
-            (c, _, _), (ds, ls) = jax.lax.scan(body, (ext.cache, draft_to_target(d0, d2t), h0),
-                                               (steps, keys[1:], fx))
-            draft = jnp.concatenate([d0[:, None], ds.T], axis=1)
-            logits = jnp.concatenate([logits0[:, None], jnp.moveaxis(ls, 0, 1)], axis=1)
-        else:
-            c, draft, logits = ext.cache, d0[:, None], logits0[:, None]
-        return Proposal(draft_to_target(draft, d2t), draft, logits, c)
