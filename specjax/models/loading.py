@@ -126,7 +126,7 @@ def load_target(target: str | os.PathLike | None = None, *, dtype=None, cache_di
     from specjax.models.gguf import load_gguf
 
     model, config, cfg_dict, flat, gf = load_gguf(path, dtype=dtype, progress=progress)
-    tok = Tokenizer.from_gguf(gf)
+    tok = Tokenizer.from_gguf(gf) if gf.get("tokenizer.ggml.model") is not None else None
     if cache_dir:
         export_hf_dir(cfg_dict, flat, tok, _gguf_cache_dir(path, cache_dir), source=str(path), progress=progress)
     return LoadedTarget(model, config, tok, str(path), "gguf")

@@ -1,0 +1,113 @@
+"""GGUF loading on tiny files written like llama.cpp's converter: names, Q/K permutation,
+dequantisation, and refusals of what the loader cannot handle."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from bridge import gguf_names
+from specjax.models.errors import GGUFError, UnsupportedGGUFError
+from specjax.models.gguf import load_gguf
+from tests.models.conftest import rel_err, write_tiny_gguf
+from tests.models.test_target_parity import hf_forward
+from tests.refs.speculators_ckpts import LAYERS, VOCAB
+
+
+def test_qk_permutation_round_trips_and_is_not_identity():
+    w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)
+    p = gguf_names.permute_qk(w, 4)
+    assert not np.array_equal(p, w)
+    assert np.array_equal(gguf_names.unpermute_qk(p, 4), w)
+    # per head, llama.cpp interleaves the two rotate-half halves: rows (0, 4, 1, 5, 2, 6, 3, 7)
+    assert p[:8, 0].tolist() == w[[0, 4, 1, 5, 2, 6, 3, 7], 0].tolist()
+
+
+def test_name_table_covers_every_hf_target_tensor(tiny_target):
+    from bridge.safetensors_io import open_tensors
+
+    d, _ = tiny_target("qwen3")
+    names = set(open_tensors(d).names)
+    mapped = {gguf_names.hf_name(f"blk.{i}.{g}.weight") for i in range(LAYERS)
+              for g in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
+                        "attn_k_norm", "ffn_gate", "ffn_up", "ffn_down")}
+    mapped |= {gguf_names.hf_name(n) for n in ("token_embd.weight", "output_norm.weight", "output.weight")}
+    assert names <= mapped
+    assert gguf_names.hf_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
+    assert gguf_names.hf_name("blk.0.ffn_gate_exps.weight") is None
+
+
+@pytest.mark.parametrize("family,qtype", [("llama", "F32"), ("llama", "F16"), ("llama", "Q8_0"), ("llama", "Q4_1"),
+                                          ("llama", "Q5_0")])
+def test_tiny_gguf_matches_transformers_gguf_loader(tiny_target, tmp_path, family, qtype):
+    from transformers import AutoModelForCausalLM
+
+    d, ref = tiny_target(family)
+    g = write_tiny_gguf(d, tmp_path / f"t-{qtype}.gguf", arch=family, qtype=qtype)
+    model, config, cfg_dict, flat, _ = load_gguf(g, progress=False)
+    assert config.family == family and config.num_hidden_layers == LAYERS
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 9))
+    got = model(jnp.asarray(ids)).logits
+    gref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=g.name, dtype=torch.float32).eval()
+    want, _ = hf_forward(gref, ids)
+    assert rel_err(got, want) <= 1e-5
+    if qtype == "F32":  # lossless: identical to the original safetensors model
+        want0, _ = hf_forward(ref, ids)
+        assert rel_err(got, want0) <= 1e-5
+
+
+def test_tiny_qwen3_gguf_is_lossless_and_not_permuted(tiny_target, tmp_path):
+    # transformers' GGUF loader ignores qwen3.attention.key_length (falls back to head_dim 128), so
+    # the reference here is the original safetensors model; F32 makes the round trip lossless.
+    d, ref = tiny_target("qwen3", tie_word_embeddings=True)
+    g = write_tiny_gguf(d, tmp_path / "q.gguf", arch="qwen3", qtype="F32")
+    model, config, cfg_dict, flat, _ = load_gguf(g, progress=False)
+    assert config.family == "qwen3" and config.qk_norm and config.tie_word_embeddings
+    assert "qwen3" not in gguf_names.QK_PERMUTED
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 9))
+    want, _ = hf_forward(ref, ids)
+    assert rel_err(model(jnp.asarray(ids)).logits, want) <= 1e-5
+
+
+def test_unpermute_matters(tiny_target, tmp_path, monkeypatch):
+    """Loading a llama GGUF without undoing the permutation must visibly break parity."""
+    d, ref = tiny_target("llama")
+    g = write_tiny_gguf(d, tmp_path / "t.gguf")
+    monkeypatch.setattr(gguf_names, "QK_PERMUTED", frozenset())
+    model, *_ = load_gguf(g, progress=False)
+    ids = np.random.default_rng(0).integers(0, VOCAB, (1, 9))
+    want, _ = hf_forward(ref, ids)
+    assert rel_err(model(jnp.asarray(ids)).logits, want) > 1e-3
+
+
+def test_unsupported_architecture(tiny_target, tmp_path):
+    d, _ = tiny_target("llama")
+    g = write_tiny_gguf(d, tmp_path / "gpt2.gguf", arch="llama", arch_name="gpt2")
+    with pytest.raises(UnsupportedGGUFError, match="architecture 'gpt2' is not supported"):
+        load_gguf(g, progress=False)
+
+
+def test_unsupported_quantisation_type_names_tensor(tiny_target, tmp_path):
+    d, _ = tiny_target("llama")
+    g = write_tiny_gguf(d, tmp_path / "f64.gguf", extra_tensors={"blk.0.extra.weight": np.zeros((4, 4), np.float64)})
+    with pytest.raises(UnsupportedGGUFError, match=r"'blk.0.extra.weight' has quantisation type F64"):
+        load_gguf(g, progress=False)
+
+
+def test_unknown_tensor_and_rope_freqs_refused(tiny_target, tmp_path):
+    d, _ = tiny_target("llama")
+    g = write_tiny_gguf(d, tmp_path / "x.gguf", extra_tensors={"blk.0.ffn_gate_exps.weight": np.zeros((4, 4), np.float32)})
+    with pytest.raises(UnsupportedGGUFError, match="ffn_gate_exps.*no HF equivalent"):
+        load_gguf(g, progress=False)
+    g = write_tiny_gguf(d, tmp_path / "r.gguf", extra_tensors={"rope_freqs.weight": np.ones(4, np.float32)})
+    with pytest.raises(UnsupportedGGUFError, match="rope_freqs"):
+        load_gguf(g, progress=False)
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"definitely not gguf" * 10)
+    with pytest.raises(GGUFError, match="not a readable GGUF"):
+        load_gguf(bad, progress=False)
