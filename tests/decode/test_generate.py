@@ -1,0 +1,158 @@
+"""Target-only generation: transformers parity, batch == one-by-one, independent EOS stops,
+length limits, one compile per shape, and the sampling rules against HF's logits warpers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from specjax.decode import generate as gen
+from specjax.decode.generate import DecodeState, emit, generate_ids
+from specjax.decode.sampling import SamplingParams, process_logits, sample
+from specjax.models.errors import ContextLengthError
+from specjax.models.hf import load_hf_dir
+from tests.refs.speculators_ckpts import VOCAB, make_verifier
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("gen")
+    out = {}
+    for fam, over in (("llama", {}), ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=3))):
+        d = make_verifier(root / fam, fam, **over)
+        out[fam] = (load_hf_dir(d), AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval())
+    return out
+
+
+@pytest.mark.parametrize("fam", ["llama", "qwen3"])
+def test_greedy_matches_transformers_generate(tiny, fam):
+    model, ref = tiny[fam]
+    res = generate_ids(model, PROMPTS, max_new_tokens=10, eos_token_ids=[])
+    for p, toks in zip(PROMPTS, res.tokens):
+        want = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist()
+        assert toks == want
+    assert res.stop_reasons == ["length"] * 3
+
+
+def test_batch_equals_one_by_one(tiny):
+    model, _ = tiny["qwen3"]
+    batch = generate_ids(model, PROMPTS, max_new_tokens=12, eos_token_ids=[])
+    single = [generate_ids(model, [p], max_new_tokens=12, eos_token_ids=[]).tokens[0] for p in PROMPTS]
+    assert batch.tokens == single
+
+
+def test_eos_stops_each_sequence_independently(tiny):
+    model, _ = tiny["llama"]
+    free = generate_ids(model, PROMPTS, max_new_tokens=12, eos_token_ids=[]).tokens
+    eos = free[0][3]  # sequence 0 emits this at step 3
+    res = generate_ids(model, PROMPTS, max_new_tokens=12, eos_token_ids=[eos])
+    for toks, got, reason in zip(free, res.tokens, res.stop_reasons):
+        if eos in toks:
+            cut = toks.index(eos) + 1
+            assert got == toks[:cut] and reason == "eos"  # EOS kept, nothing after it
+        else:
+            assert got == toks and reason == "length"  # unaffected by the others stopping
+    assert res.stop_reasons[0] == "eos" and len(res.tokens[0]) <= 4
+    assert any(len(t) == 12 for t in res.tokens) or eos in sum(free, [])
+
+
+def test_context_limit_per_sequence_and_too_long_prompt(tiny):
+    model, _ = tiny["llama"]
+    res = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[], context_length=12)
+    assert [len(t) for t in res.tokens] == [7, 8, 3]  # 12 - prompt length, capped at 8
+    full = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[]).tokens
+    assert all(full[i][: len(t)] == t for i, t in enumerate(res.tokens))
+    with pytest.raises(ContextLengthError, match="prompt 2 has 9 tokens; the context length is 9"):
+        generate_ids(model, PROMPTS, max_new_tokens=4, context_length=9)
+    with pytest.raises(ContextLengthError, match="context length is 256"):
+        generate_ids(model, [[1] * 300], max_new_tokens=4)
+
+
+def test_same_shapes_compile_once(tiny):
+    model, _ = tiny["llama"]
+    generate_ids(model, [[1, 2, 3], [4, 5]], max_new_tokens=5, eos_token_ids=[2])
+    n = gen.TRACE_COUNT["generate"]
+    a = generate_ids(model, [[1, 2, 3], [4, 5]], max_new_tokens=5, eos_token_ids=[2])
+    b = generate_ids(model, [[7, 8, 9, 10], [11]], max_new_tokens=5, eos_token_ids=[2])  # same prompt bucket
+    assert gen.TRACE_COUNT["generate"] == n
+    generate_ids(model, [[7, 8, 9, 10], [11]], max_new_tokens=6, eos_token_ids=[2])
+    assert gen.TRACE_COUNT["generate"] == n + 1
+    assert a.tokens != b.tokens
+
+
+def test_whole_loop_is_one_program_with_a_while_loop(tiny):
+    from flax import nnx
+
+    model, _ = tiny["llama"]
+    g, params = nnx.split(model)
+    lowered = gen._generate_jit.lower(g, params, jnp.zeros((2, 32), jnp.int32), jnp.asarray([3, 2]),
+                                      jnp.asarray([5, 5]), jax.random.key(0), jnp.asarray([2]), max_new_tokens=5,
+                                      max_len=37, sampling=SamplingParams(), pad_id=0, cache_dtype=jnp.dtype("float32"))
+    text = lowered.as_text()
+    main = text[text.index("func.func public @main"):]
+    main = main[: main.find("func.func", 10) if "func.func" in main[10:] else len(main)]
+    assert main.count("stablehlo.while") == 1  # the decode loop (PRNG helpers have their own)
+
+
+def test_emit_ragged_with_eos_and_limit():
+    B, N = 3, 6
+    st = DecodeState(step=jnp.int32(0), tokens=jnp.full((B, N), -1, jnp.int32), num_tokens=jnp.asarray([0, 1, 4]),
+                     limit=jnp.asarray([6, 6, 5]), done=jnp.asarray([False, False, False]),
+                     eos_hit=jnp.zeros(B, bool), last=jnp.zeros(B, jnp.int32), cache=None, key=None)
+    new = jnp.asarray([[5, 6, 7], [8, 99, 9], [10, 11, 12]])
+    out = emit(st, new, jnp.asarray([2, 3, 3]), jnp.asarray([99]), -1)
+    assert np.asarray(out.tokens).tolist() == [[5, 6, -1, -1, -1, -1], [-1, 8, 99, -1, -1, -1],
+                                               [-1, -1, -1, -1, 10, -1]]
+    assert np.asarray(out.num_tokens).tolist() == [2, 3, 5]
+    assert np.asarray(out.done).tolist() == [False, True, True]
+    assert np.asarray(out.eos_hit).tolist() == [False, True, False]
+    assert np.asarray(out.last).tolist() == [6, 99, 10]
+    again = emit(out, new, jnp.asarray([3, 3, 3]), jnp.asarray([99]), -1)  # done rows take nothing
+    assert np.asarray(again.num_tokens).tolist() == [5, 3, 5]
+
+
+def test_sampling_reproducible_and_topk1_is_greedy(tiny):
+    model, _ = tiny["llama"]
+    greedy = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[]).tokens
+    k1 = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[],
+                      sampling=SamplingParams(temperature=1.0, top_k=1), seed=3).tokens
+    assert k1 == greedy
+    hot = SamplingParams(temperature=2.0, top_p=0.95)
+    s1 = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[], sampling=hot, seed=1).tokens
+    s1b = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[], sampling=hot, seed=1).tokens
+    s2 = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[], sampling=hot, seed=2).tokens
+    assert s1 == s1b and s1 != s2
+
+
+@pytest.mark.parametrize("t,k,p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.6), (1.0, 0, 0.05)])
+def test_process_logits_matches_hf_warpers(t, k, p):
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    logits = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32) * 3
+    procs = LogitsProcessorList([TemperatureLogitsWarper(t)] + ([TopKLogitsWarper(k)] if k else [])
+                                + ([TopPLogitsWarper(p)] if p < 1 else []))
+    want = procs(None, torch.tensor(logits)).numpy()
+    got = np.asarray(process_logits(jnp.asarray(logits), SamplingParams(temperature=t, top_k=k, top_p=p)))
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    assert np.allclose(got[fin], want[fin], rtol=1e-6)
+
+
+def test_sample_only_draws_allowed_tokens():
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(64, VOCAB)).astype(np.float32))
+    params = SamplingParams(temperature=1.0, top_k=3)
+    allowed = np.argsort(-np.asarray(logits), axis=-1)[:, :3]
+    for s in range(5):
+        tok = np.asarray(sample(jax.random.key(s), logits, params))
+        assert all(tok[i] in allowed[i] for i in range(64))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=0.0)
