@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "generate": "specjax.decode.generate",
     "load_target": "specjax.models.loading",
+    "load_draft": "specjax.models.drafts.load",
 }
 
 
