@@ -1,0 +1,164 @@
+"""SafeAILab EAGLE-3 (github.com/SafeAILab/EAGLE) -> speculators eagle3.
+
+Mirrors speculators 0.9.0 ``convert/eagle/eagle3_converter.py`` (REFERENCE 6.1), which
+saves through the legacy ``Eagle3Speculator`` module:
+
+* tensors: ``midlayer.*`` -> ``layers.0.*``, everything else 1:1; only the legacy module's
+  tensors are kept (``embed_tokens`` only if the source has it; ``t2d``/``d2t`` only if the
+  source has ``t2d``); floats cast to the source config's ``torch_dtype`` (float32 when
+  the config has none: speculators reads no other key), ``d2t`` int64, ``t2d`` bool;
+* config: a ``LlamaConfig`` from the EAGLE config with speculators' fallbacks, vocab size
+  from ``t2d`` (else the verifier's, searched recursively), ``max_position_embeddings`` =
+  max(draft, verifier), ``speculative_tokens`` 3, ``architectures ["Eagle3Speculator"]``;
+* flags: the source records none of them, so ``norm_before_residual`` comes only from the
+  caller (default False, as in SafeAILab's own midlayer); ``norm_before_fc`` / ``fc_norm``
+  / ``norm_output`` are the caller's value OR-ed with the EAGLE config's.
+
+Where speculators silently writes a broken draft, this converter refuses instead: a
+tensor the module needs is missing (speculators saves its random init) or mis-shaped.
+"""
+
+from __future__ import annotations
+
+from bridge.external.common import (
+    BOOL, DTYPE_NAMES, IDS, Option, Plan, cast, require, resolve_options, speculators_block, top_level,
+)
+from bridge.external.errors import ExternalSourceError
+from bridge.external.hf_config import layer_config_dict
+from bridge.external.source import Source, Verifier, find_vocab_size
+
+KIND = "eagle3-safeailab"
+ALGORITHM = "eagle3"
+OPTIONS = {
+    "norm_before_residual": Option(**BOOL, default=False,
+                                   help="first layer's residual is the normed hidden (drafts trained by speculators)"),
+    "norm_before_fc": Option(**BOOL, default=False, help="RMSNorm over the concatenated aux states (OR-ed with config)"),
+    "fc_norm": Option(**BOOL, default=False, help="per-aux-layer RMSNorm, Eagle 3.1 (OR-ed with config)"),
+    "norm_output": Option(**BOOL, default=False, help="feed post-norm hidden back across steps (OR-ed with config)"),
+    "eagle_aux_hidden_state_layer_ids": Option(**IDS, help="verifier layers the draft reads (written to the config)"),
+}
+PREFIX = "midlayer."
+
+
+def detect(config: dict | None, names: list[str]) -> str | None:
+    n = sum(1 for k in names if k.startswith(PREFIX))
+    return f"{n} midlayer.* tensors (SafeAILab EAGLE-3 layout)" if n else None
+
+
+def _source_name(name: str) -> str:
+    return PREFIX + name[len("layers.0."):] if name.startswith("layers.0.") else name
+
+
+def _rope_parameters(ec: dict) -> dict:
+    """speculators' build_llama_config_rope_kwargs on transformers 5 (no rope_theta argument)."""
+    rp = {"rope_theta": ec.get("rope_theta", 10000.0)}
+    scaling = ec.get("rope_scaling")
+    if scaling is not None:
+        rp["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+        rp.update({k: v for k, v in scaling.items() if k not in ("rope_type", "type")})
+    else:
+        rp["rope_type"] = "default"
+    return rp
+
+
+def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
+    opts = resolve_options(KIND, OPTIONS, options)
+    ec = src.config
+    if ec is None:
+        raise ExternalSourceError("SafeAILab EAGLE-3 source has no config.json (it defines the draft layer)",
+                                  path=str(src.path / "config.json"))
+    notes: list[str] = []
+    reduce_vocab = src.has("t2d")
+    if reduce_vocab:
+        vocab = src.shape("t2d")[0]
+    else:
+        vocab = find_vocab_size(verifier.config)
+        if vocab is None:
+            raise ExternalSourceError("no t2d in the source and no vocab_size in the verifier config",
+                                      path=str(verifier.path / "config.json"), key="vocab_size")
+    torch_dtype = ec.get("torch_dtype")
+    if torch_dtype is None:
+        weights_dtype = DTYPE_NAMES["float32"]
+        if ec.get("dtype") is not None:
+            notes.append(f"source config has dtype={ec['dtype']!r} but no torch_dtype; speculators 0.9.0 reads only "
+                         "torch_dtype, so weights are written as float32 (as it does)")
+    elif torch_dtype in DTYPE_NAMES:
+        weights_dtype = DTYPE_NAMES[torch_dtype]
+    else:
+        raise ExternalSourceError(f"torch_dtype {torch_dtype!r} is not a float dtype; expected one of "
+                                  f"{sorted(DTYPE_NAMES)}", path=str(src.path / "config.json"), key="torch_dtype")
+
+    kw = dict(
+        vocab_size=vocab, hidden_size=ec.get("hidden_size", 4096), intermediate_size=ec.get("intermediate_size", 11008),
+        num_hidden_layers=ec.get("num_hidden_layers", 1), num_attention_heads=ec.get("num_attention_heads", 32),
+        num_key_value_heads=ec.get("num_key_value_heads", 8), hidden_act=ec.get("hidden_act", "silu"),
+        max_position_embeddings=max(ec.get("max_position_embeddings", 4096),
+                                    verifier.get("max_position_embeddings", 4096)),
+        initializer_range=ec.get("initializer_range", 0.02), rms_norm_eps=ec.get("rms_norm_eps", 1e-6),
+        use_cache=True, attention_bias=ec.get("attention_bias", False), mlp_bias=ec.get("mlp_bias", False),
+        tie_word_embeddings=False, head_dim=ec.get("head_dim"), rope_parameters=_rope_parameters(ec),
+    )
+    if torch_dtype is not None:
+        kw["dtype"] = torch_dtype
+    layer, _ = layer_config_dict("llama", kw)
+
+    flags = {k: opts[k] or bool(ec.get(k, False)) for k in ("norm_before_fc", "fc_norm", "norm_output")}
+    if flags["norm_before_fc"] and flags["fc_norm"]:
+        raise ExternalSourceError("norm_before_fc and fc_norm are mutually exclusive (speculators' config "
+                                  "validator); check the options and the source config", key="fc_norm")
+    resolved = {"norm_before_residual": opts["norm_before_residual"], **flags,
+                "eagle_aux_hidden_state_layer_ids": opts["eagle_aux_hidden_state_layer_ids"]}
+
+    # the legacy module's tensors and shapes
+    H, I = layer["hidden_size"], layer["intermediate_size"]
+    nh, nkv, hd = layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]
+    Ht = ec.get("target_hidden_size") or H
+    Vd = ec.get("draft_vocab_size", 32000)
+    want: dict[str, tuple] = {"fc.weight": (H, 3 * Ht)}
+    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        want[f"layers.0.{n}.weight"] = (H,)
+    for p, rows, cols in (("q_proj", nh * hd, 2 * H), ("k_proj", nkv * hd, 2 * H), ("v_proj", nkv * hd, 2 * H),
+                          ("o_proj", H, nh * hd)):
+        want[f"layers.0.self_attn.{p}.weight"] = (rows, cols)
+        if layer["attention_bias"]:
+            want[f"layers.0.self_attn.{p}.bias"] = (rows,)
+    for p, rows, cols in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
+        want[f"layers.0.mlp.{p}.weight"] = (rows, cols)
+        if layer["mlp_bias"]:
+            want[f"layers.0.mlp.{p}.bias"] = (rows,)
+    want["norm.weight"] = (H,)
+    want["lm_head.weight"] = (Vd, H)
+    if src.has("embed_tokens.weight"):
+        want["embed_tokens.weight"] = (vocab, H)
+    if reduce_vocab:
+        want["d2t"] = (Vd,)
+        want["t2d"] = (vocab,)
+    # deviation, see module docstring of bridge.external: keep the optional norms the flags need
+    if flags["norm_before_fc"]:
+        want["input_norm.weight"] = (3 * Ht,)
+    if flags["fc_norm"]:
+        for i in range(3):
+            want[f"fc_norm.{i}.weight"] = (Ht,)
+    require(src, want, shown=_source_name, kind="SafeAILab EAGLE-3")
+    if (flags["norm_before_fc"] or flags["fc_norm"]):
+        notes.append("kept the source's input_norm/fc_norm tensors (speculators 0.9.0's legacy converter module has "
+                     "no such parameters and drops them)")
+
+    tensors = {}
+    for n in want:
+        a = src.array(_source_name(n))
+        tensors[n] = cast(a, "int64" if n == "d2t" else bool if n == "t2d" else weights_dtype)
+    dropped = sorted(set(src.names) - {_source_name(n) for n in want})
+    if dropped:
+        notes.append(f"dropped {len(dropped)} source tensor(s) the EAGLE-3 draft does not use (speculators ignores "
+                     f"them too): {dropped[:8]}")
+
+    block = speculators_block(ALGORITHM, 3, verifier, verifier.get("architectures", ["LlamaForCausalLM"]))
+    config = top_level(
+        ALGORITHM, "Eagle3Speculator", "Eagle3SpeculatorConfig", weights_dtype, layer, block,
+        draft_vocab_size=Vd, eagle_aux_hidden_state_layer_ids=resolved["eagle_aux_hidden_state_layer_ids"],
+        embed_requires_grad=False, fc_norm=flags["fc_norm"], norm_before_fc=flags["norm_before_fc"],
+        norm_before_residual=resolved["norm_before_residual"], norm_output=flags["norm_output"],
+        target_hidden_size=ec.get("target_hidden_size"),
+    )
+    return Plan(config, tensors, resolved, notes)
