@@ -19,6 +19,7 @@ SOURCES = tuple(CONVERTERS)  # eagle3-safeailab, dflash-zlab, mtp
 # speculators' own algorithm names (convert_model / `speculators convert --algorithm`) are accepted too
 ALIASES = {"eagle3": "eagle3-safeailab", "dflash": "dflash-zlab"}
 DETECT_ORDER = (dflash_zlab, eagle3_safeailab, mtp_native)  # config markers first, then tensor prefixes
+AUX_OPTION = {"eagle3-safeailab": "eagle_aux_hidden_state_layer_ids", "dflash-zlab": "aux_hidden_state_layer_ids"}
 LOOKED_FOR = ("config.json with dflash_config or a *DFlash* architecture (dflash-zlab)",
               "midlayer.* tensors (eagle3-safeailab)",
               "mtp.* tensors (mtp)")
@@ -84,6 +85,14 @@ def plan_external(src, algorithm: str | None, verifier, **options) -> tuple[str,
     detected = None
     if kind == "auto":
         kind, detected = detect_source(s)
+    if "aux_layer_ids" in options:  # the generic name (CLI --aux-layer-ids) -> the source's own option
+        target = AUX_OPTION.get(kind)
+        if target is None:
+            raise ExternalSourceError(f"aux layer ids do not apply to --from {kind}", key="aux_layer_ids")
+        if target in options:
+            raise ExternalSourceError(f"give aux_layer_ids or {target}, not both", key=target)
+        options = dict(options)
+        options[target] = options.pop("aux_layer_ids")
     try:
         plan = CONVERTERS[kind].plan(s, v, options)
     except ExternalSourceError as e:
@@ -100,7 +109,7 @@ def plan_external(src, algorithm: str | None, verifier, **options) -> tuple[str,
 
 def convert_external(src: str | os.PathLike, algorithm: str | None, verifier: str | os.PathLike | None,
                      out: str | os.PathLike, *, overwrite: bool = False, audit: bool = True,
-                     **options) -> ExternalConversion:
+                     max_shard_bytes: int | None = None, **options) -> ExternalConversion:
     """Convert a third-party draft into a speculators checkpoint at ``out``.
 
     ``algorithm``: ``"eagle3-safeailab"``, ``"dflash-zlab"``, ``"mtp"`` or ``"auto"`` (None);
@@ -108,7 +117,8 @@ def convert_external(src: str | os.PathLike, algorithm: str | None, verifier: st
     is recorded verbatim as ``speculators_config.verifier.name_or_path``). ``options``:
     eagle3-safeailab ``norm_before_residual``, ``norm_before_fc``, ``fc_norm``,
     ``norm_output``, ``eagle_aux_hidden_state_layer_ids``; dflash-zlab
-    ``aux_hidden_state_layer_ids``; mtp ``num_speculative_steps``.
+    ``aux_hidden_state_layer_ids``; mtp ``num_speculative_steps``; ``aux_layer_ids`` names
+    the source's aux-ids option whatever the kind. ``max_shard_bytes`` shards the output.
 
     The checkpoint is written to a temporary directory beside ``out``, audited
     (``bridge.audit`` with the verifier), and renamed into place only if the audit has no
@@ -123,7 +133,8 @@ def convert_external(src: str | os.PathLike, algorithm: str | None, verifier: st
     cfg = bridge.parse_config(plan.config, path=str(out / "config.json"))
     report = None
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        bridge.save_checkpoint(tmp, cfg, flat=plan.tensors, overwrite=True, metadata={"format": "pt"})
+        bridge.save_checkpoint(tmp, cfg, flat=plan.tensors, overwrite=True, metadata={"format": "pt"},
+                               max_shard_bytes=max_shard_bytes)
         if audit:
             report = bridge.audit(tmp, verifier=Path(str(verifier)))
             if report.exit_code:

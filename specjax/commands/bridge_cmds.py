@@ -109,28 +109,92 @@ def audit_cmd(
 
 
 def convert_cmd(
-    src: Path = typer.Argument(..., help="source checkpoint (speculators dir or specjax Orbax dir)"),
+    src: Path = typer.Argument(..., help="source checkpoint (speculators dir, specjax Orbax dir, or with --from a "
+                                         "third-party draft)"),
     dst: Path = typer.Argument(..., help="output directory (must not exist unless --overwrite)"),
-    to: str = typer.Option(..., "--to", help="output format: orbax | speculators"),
+    to: Optional[str] = typer.Option(None, "--to", help="output format: orbax | speculators (with --from: speculators)"),
+    from_: Optional[str] = typer.Option(None, "--from", help="third-party source: eagle3-safeailab | dflash-zlab | "
+                                                            "mtp | auto (writes a speculators checkpoint)"),
+    verifier: Optional[str] = typer.Option(None, "--verifier", help="with --from: the verifier (target) directory"),
+    norm_before_residual: Optional[bool] = typer.Option(
+        None, "--norm-before-residual/--no-norm-before-residual",
+        help="eagle3-safeailab: first-layer residual is the normed hidden (default off, as SafeAILab trains)"),
+    norm_before_fc: Optional[bool] = typer.Option(None, "--norm-before-fc", help="eagle3-safeailab"),
+    fc_norm: Optional[bool] = typer.Option(None, "--fc-norm", help="eagle3-safeailab (Eagle 3.1)"),
+    norm_output: Optional[bool] = typer.Option(None, "--norm-output", help="eagle3-safeailab"),
+    aux_layer_ids: Optional[str] = typer.Option(None, "--aux-layer-ids",
+                                                help="e.g. 1,23,44: verifier layers the draft reads (eagle3/dflash)"),
+    num_speculative_steps: Optional[int] = typer.Option(None, "--num-speculative-steps", help="mtp: default 3"),
+    options: Optional[str] = typer.Option(None, "--options", "--algorithm-kwargs",
+                                          help="with --from: more options as a JSON object (speculators' names)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing DST"),
     check: bool = typer.Option(False, "--check", help="reload the output and verify the round trip bit-exactly"),
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="e.g. 5GB: write sharded safetensors"),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Round-trip conversion between speculators checkpoints and Orbax (atomic writes)."""
+    """Round-trip conversion between speculators checkpoints and Orbax (--to), or a third-party
+    draft into a speculators checkpoint (--from, audited before it is written). Atomic writes."""
     import bridge
-    from bridge.roundtrip import convert
 
+    c = console()
+    shard = parse_size(max_shard_size) if max_shard_size else None
+    given = {k: v for k, v in (("norm_before_residual", norm_before_residual), ("norm_before_fc", norm_before_fc),
+                               ("fc_norm", fc_norm), ("norm_output", norm_output),
+                               ("num_speculative_steps", num_speculative_steps)) if v is not None}
+    if aux_layer_ids is not None:
+        try:
+            given["aux_layer_ids"] = [int(x) for x in aux_layer_ids.replace(" ", "").strip("[]").split(",") if x]
+        except ValueError:
+            raise typer.BadParameter(f"--aux-layer-ids {aux_layer_ids!r}: expected integers like 1,23,44")
+    if options:
+        try:
+            extra = json.loads(options)
+        except ValueError as e:
+            raise typer.BadParameter(f"--options is not JSON: {e}")
+        if not isinstance(extra, dict):
+            raise typer.BadParameter(f"--options must be a JSON object, not {type(extra).__name__}")
+        given.update(extra)
+    if from_ is None:
+        if given or verifier is not None:
+            raise typer.BadParameter("--verifier and the converter options apply only with --from")
+        if to is None:
+            raise typer.BadParameter("give --to orbax|speculators (round trip) or --from KIND (third-party draft)")
+        from bridge.roundtrip import convert
+
+        try:
+            res = convert(src, dst, to, overwrite=overwrite, check=check, max_shard_bytes=shard)
+        except bridge.BridgeError as e:
+            fail(e, code=getattr(e, "exit_code", 2))
+        if as_json:
+            print(json.dumps(res, indent=2))
+            return
+        c.print(f"wrote {res['format']} checkpoint {dst} ({res['tensors']} tensors) from {res['source_format']} {src}")
+        if check:
+            ch = res["check"]
+            c.print(f"[green]check: bit-exact[/green] ({ch['tensors']} tensors, {human_bytes(ch['bytes'])}, config equal)")
+        return
+    if to not in (None, "speculators"):
+        raise typer.BadParameter(f"--from writes a speculators checkpoint; --to {to} does not apply")
+    if check:
+        raise typer.BadParameter("--check verifies --to round trips; --from conversions are audited automatically")
     try:
-        res = convert(src, dst, to, overwrite=overwrite, check=check,
-                      max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None)
+        res = bridge.convert_external(str(src), from_, verifier, dst, overwrite=overwrite, max_shard_bytes=shard,
+                                      **given)
     except bridge.BridgeError as e:
         fail(e, code=getattr(e, "exit_code", 2))
     if as_json:
-        print(json.dumps(res, indent=2))
+        print(json.dumps(res.to_json(), indent=2))
         return
-    c = console()
-    c.print(f"wrote {res['format']} checkpoint {dst} ({res['tensors']} tensors) from {res['source_format']} {src}")
-    if check:
-        ch = res["check"]
-        c.print(f"[green]check: bit-exact[/green] ({ch['tensors']} tensors, {human_bytes(ch['bytes'])}, config equal)")
+    from rich.markup import escape
+
+    if res.detected:
+        c.print(f"detected [cyan]{res.source_kind}[/cyan]: {escape(res.detected)}")
+    c.print(f"wrote speculators [cyan]{res.algorithm}[/cyan] checkpoint {dst} ({len(res.tensors)} tensors) from "
+            f"{res.source_kind} {src}")
+    c.print("  options: " + escape(", ".join(f"{k}={v}" for k, v in res.options.items())))
+    for n in res.notes:
+        c.print(f"  note: {escape(n)}")
+    if res.report is not None:
+        c.print(f"  audit: [green]OK[/green], {len(res.report.warnings)} warning(s)")
+        for f in res.report.warnings:
+            c.print(f"  [yellow]warning[/yellow] {escape(f'[{f.rule}] {f.message}')}")
