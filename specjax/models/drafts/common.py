@@ -147,3 +147,18 @@ def last_valid(x, n_valid):
 def greedy(logits, key=None):  # noqa: ARG001
     """Default draft sampler: argmax (first index on ties, like torch)."""
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def frozen_params(model) -> tuple[str, ...]:
+    """Top-level param names speculators freezes (``requires_grad=False``) for this draft:
+    lm_head, verifier_lm_head and verifier_norm always; embed_tokens unless the draft trains
+    it (P-EAGLE with ``embed_requires_grad``; EAGLE-3's lookup runs under ``no_grad`` anyway)."""
+    names = ["lm_head", "verifier_lm_head", "verifier_norm"]
+    if not (model.algorithm == "peagle" and getattr(model, "embed_requires_grad", False)):
+        names.append("embed_tokens")
+    return tuple(names)
+
+
+def trainable(model):
+    """nnx filter selecting the params speculators trains (for ``nnx.state`` / ``nnx.grad``)."""
+    return nnx.All(nnx.Param, nnx.Not(nnx.Any(*(nnx.PathContains(n) for n in frozen_params(model)))))
