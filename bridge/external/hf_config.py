@@ -17,11 +17,13 @@ transformers imports torch, so the few steps that shape the output are reproduce
    ``PreTrainedConfig`` key is kept only when it differs from the class default
    (``transformers_version`` and ``_name_or_path`` therefore never appear).
 
-The tables below are transformers 5.19's (``tests/bridge/external/test_hf_config.py``
-rebuilds them from the installed transformers and compares). Families outside the
-tables (e.g. ``qwen3_next``, ``qwen3_5_text``) go through steps 3-4 only: a config that
-transformers itself saved already holds every field, so the result is the same; a
-hand-written config missing class fields would lack those defaults (``exact=False``).
+The tables below are transformers 5.19's for the families the three converters meet
+(llama, qwen2, qwen3, qwen3_next, qwen3_5_text, qwen3_5_moe_text);
+``tests/bridge/external/test_hf_config.py`` compares them and the whole function with the
+installed transformers. Other families go through steps 3-4 only: a config that
+transformers itself saved holds nearly every field already, but class fields it left out
+(``use_cache`` is stripped by ``PretrainedConfig.save_pretrained``) stay absent
+(``exact=False``, reported to the user).
 """
 
 from __future__ import annotations
@@ -64,14 +66,14 @@ LOADER_KEYS = ("name_or_path", "_commit_hash", "attn_implementation", "experts_i
 SCALED_ROPE_TYPES = ("llama3", "yarn", "longrope")
 
 
-def _llama_post(c: dict) -> None:
+def _llama_post(c: dict, kw: dict) -> None:
     if c["head_dim"] is None:
         c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
     if c["num_key_value_heads"] is None:
         c["num_key_value_heads"] = c["num_attention_heads"]
 
 
-def _qwen_post(c: dict) -> None:  # Qwen2Config and Qwen3Config share this __post_init__
+def _qwen_post(c: dict, kw: dict) -> None:  # Qwen2Config and Qwen3Config share this __post_init__
     c["sliding_window"] = c["sliding_window"] if c["use_sliding_window"] else None
     if c["num_key_value_heads"] is None:
         c["num_key_value_heads"] = c["num_attention_heads"]
@@ -80,10 +82,20 @@ def _qwen_post(c: dict) -> None:  # Qwen2Config and Qwen3Config share this __pos
                             else "full_attention" for i in range(c["num_hidden_layers"])]
 
 
+def _hybrid_post(c: dict, kw: dict) -> None:  # Qwen3-Next / Qwen3.5 text configs
+    kw.setdefault("partial_rotary_factor", 0.25)
+    if "mlp_only_layers" in c:
+        c["mlp_only_layers"] = [] if c["mlp_only_layers"] is None else c["mlp_only_layers"]
+    if c["layer_types"] is None:
+        every = kw.pop("full_attention_interval", 4)
+        c["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention"
+                            for i in range(c["num_hidden_layers"])]
+
+
 @dataclass(frozen=True)
 class Family:
     fields: dict[str, Any]  # class dataclass fields (own, not the base ones) -> default
-    post: Callable[[dict], None]
+    post: Callable[[dict, dict], None]  # __post_init__ on (field values, remaining kwargs)
     default_theta: float = 10000.0
 
 
@@ -93,6 +105,15 @@ _QWEN_COMMON = {
     "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True, "tie_word_embeddings": False,
     "rope_parameters": None, "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
     "layer_types": None, "attention_dropout": 0.0, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+}
+
+_HYBRID = {
+    "vocab_size": 248320, "hidden_size": 4096, "hidden_act": "silu", "max_position_embeddings": 32768,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True, "tie_word_embeddings": False,
+    "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0, "head_dim": 256,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "layer_types": None, "pad_token_id": None,
+    "bos_token_id": None, "eos_token_id": None,
 }
 
 FAMILIES: dict[str, Family] = {
@@ -105,14 +126,19 @@ FAMILIES: dict[str, Family] = {
     }, _llama_post),
     "qwen3": Family({**_QWEN_COMMON, "head_dim": 128, "attention_bias": False}, _qwen_post),
     "qwen2": Family(dict(_QWEN_COMMON), _qwen_post),
+    "qwen3_next": Family({**_HYBRID, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+                          "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+                          "decoder_sparse_step": 1, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                          "num_experts_per_tok": 10, "num_experts": 512, "norm_topk_prob": True,
+                          "output_router_logits": False, "router_aux_loss_coef": 0.001, "mlp_only_layers": None},
+                         _hybrid_post),
+    "qwen3_5_text": Family({**_HYBRID, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+                            "num_key_value_heads": 4}, _hybrid_post),
+    "qwen3_5_moe_text": Family({**_HYBRID, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+                                "num_key_value_heads": 2, "moe_intermediate_size": 512,
+                                "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8, "num_experts": 256,
+                                "output_router_logits": False, "router_aux_loss_coef": 0.001}, _hybrid_post),
 }
-
-
-def _class_defaults(fam: Family) -> dict:
-    c = copy.deepcopy(fam.fields)
-    fam.post(c)
-    c["rope_parameters"] = {"rope_theta": fam.default_theta, "rope_type": "default"}
-    return c
 
 
 def _nested_keys(rope: dict, layer_types) -> list[str]:
@@ -167,7 +193,7 @@ def layer_config_dict(model_type: str, kwargs: dict) -> tuple[dict, bool]:
         for name, default in fam.fields.items():
             c[name] = kw.pop(name, copy.deepcopy(default))
         # 2. family __post_init__
-        fam.post(c)
+        fam.post(c, kw)
     else:
         for name in ("rope_parameters",):
             c[name] = kw.pop(name, None)
@@ -192,13 +218,12 @@ def layer_config_dict(model_type: str, kwargs: dict) -> tuple[dict, bool]:
     c.update(kw)  # 3b. every other key becomes an attribute
     c["output_attentions"] = out_attn
     # 4. serialisation: base keys only when they differ from the class default
-    class_defaults = {**BASE_DEFAULTS, **(_class_defaults(fam) if fam else {})}
     out = {}
-    for k, v in c.items():
+    for k, v in c.items():  # (no family in the tables overrides a base default)
         if k in BASE_DEFAULTS:
-            if k in ("id2label",):
+            if k == "id2label":
                 v = _norm_labels(v)
-            if v == class_defaults[k]:
+            if v == BASE_DEFAULTS[k]:
                 continue
         out[k] = v
     out["model_type"] = model_type  # the class's model_type, whatever the kwargs said
