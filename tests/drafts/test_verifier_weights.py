@@ -198,3 +198,13 @@ def test_bf16_checkpoint_keeps_dtype_and_matches(draft_ckpt, verifiers):
     ours = flat_params(d)
     for n, v in ref.items():
         np.testing.assert_array_equal(np.asarray(ours[n], np.float32), v, err_msg=n)
+
+
+def test_verifier_as_loaded_target(draft_ckpt, verifiers):
+    import specjax
+
+    ck = draft_ckpt("eagle3", "qwen3", draft_vocab=40)
+    a = flat_params(load_draft(ck, verifiers["qwen3"]))
+    b = flat_params(specjax.load_draft(ck, specjax.load_target(str(verifiers["qwen3"]))))
+    for n in a:
+        np.testing.assert_array_equal(a[n], b[n], err_msg=n)

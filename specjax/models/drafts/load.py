@@ -62,6 +62,14 @@ def _source(target: Any, config) -> VerifierSource | None:
     return None
 
 
+def _verifier_dir(target: Any) -> str | None:
+    """The verifier directory the audit can read (config.json), if the target has one."""
+    for cand in (target, getattr(target, "source", None), getattr(target, "path", None)):
+        if isinstance(cand, (str, os.PathLike)) and (Path(cand) / "config.json").is_file():
+            return str(cand)
+    return None
+
+
 def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifier_norm_unit_offset: bool = False):
     """Build the draft for ``config`` and load a complete flat (PyTorch-layout) tensor dict."""
     from bridge import layout
@@ -89,7 +97,7 @@ def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit
 
     path = Path(path)
     if audit:
-        vdir = target if isinstance(target, (str, os.PathLike)) else getattr(target, "path", None)
+        vdir = _verifier_dir(target)
         rep = bridge.audit(path, verifier=vdir)
         if getattr(rep, "unreadable", None):
             raise DraftAuditError(f"audit could not read the checkpoint: {rep.unreadable}", path=str(path))

@@ -99,9 +99,12 @@ class VerifierSource:
             return cls(target.names, target.array)
         if isinstance(target, Mapping):
             return cls(target.keys(), lambda n: np.asarray(target[n]))
-        inner = getattr(target, "model", None)
-        if hasattr(target, "config") and hasattr(inner, "embed_tokens"):  # specjax CausalLM
+        from flax import nnx
+
+        if isinstance(target, nnx.Module):  # specjax CausalLM
             return cls.from_module(target)
+        if isinstance(getattr(target, "model", None), nnx.Module):  # specjax LoadedTarget
+            return cls.from_module(target.model)
         for attr in ("path", "directory", "checkpoint_path"):
             if isinstance(getattr(target, attr, None), (str, os.PathLike)):
                 return cls.from_dir(getattr(target, attr))
