@@ -146,7 +146,7 @@ class TargetConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"),
-            hf_config=tuple(sorted((k, _freeze(v)) for k, v in cfg.items())),
+            hf_config=tuple(sorted(cfg.items())),
         )
 
     @classmethod
@@ -161,9 +161,3 @@ class TargetConfig:
         if not isinstance(doc, dict):
             raise ConfigError(f"config.json holds a JSON {type(doc).__name__}; expected an object", path=str(p))
         return cls.from_hf(doc, where=str(p))
-
-
-def _freeze(v):
-    if isinstance(v, dict):
-        return {k: _freeze(x) for k, x in v.items()}
-    return v

@@ -41,8 +41,10 @@ def tied_lm_head(config: TargetConfig):
 def model_from_tree(config: TargetConfig, tree: dict, *, dtype=None, where: str = "") -> CausalLM:
     """Build the target for ``config`` and fill it from a nested Flax tree (numpy views)."""
     dtype = resolve_dtype(dtype)
-    leaf_dtype = dtype or np.asarray(tree["model"]["embed_tokens"]["embedding"]).dtype \
-        if isinstance(tree.get("model"), dict) and "embed_tokens" in tree["model"] else (dtype or jnp.float32)
+    try:  # the abstract module's dtype only matters until load_tree replaces every leaf
+        leaf_dtype = dtype or np.asarray(tree["model"]["embed_tokens"]["embedding"]).dtype
+    except (KeyError, TypeError):
+        leaf_dtype = dtype or jnp.float32
     model = build_model(config, param_dtype=leaf_dtype, abstract=True)
     load_tree(model, tree, where=where, dtype=dtype, ignore=tied_lm_head(config))
     return model

@@ -65,7 +65,7 @@ def load_tree(module: nnx.Module, tree: Mapping, *, where: str = "", dtype=None,
         arr = got[p]
         if dtype is not None:
             arr = np.asarray(arr).astype(dtype) if not isinstance(arr, jax.Array) else arr.astype(dtype)
-        var.value = place(p, arr) if place is not None else jnp.asarray(arr)
+        var.set_value(place(p, arr) if place is not None else jnp.asarray(arr))
 
 
 def tree_of(module: nnx.Module) -> dict:
@@ -75,5 +75,5 @@ def tree_of(module: nnx.Module) -> dict:
         node = out
         for k in path[:-1]:
             node = node.setdefault(k, {})
-        node[path[-1]] = var.value
+        node[path[-1]] = var.get_value()
     return out
