@@ -34,9 +34,9 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("fam", ["llama", "qwen3"])
 def test_greedy_matches_transformers_generate(tiny, fam):
     model, ref = tiny[fam]
-    res = generate_ids(model, PROMPTS, max_new_tokens=10, eos_token_ids=[])
+    res = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[])
     for p, toks in zip(PROMPTS, res.tokens):
-        want = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+        want = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[0, len(p):].tolist()
         assert toks == want
     assert res.stop_reasons == ["length"] * 3
@@ -44,24 +44,25 @@ def test_greedy_matches_transformers_generate(tiny, fam):
 
 def test_batch_equals_one_by_one(tiny):
     model, _ = tiny["qwen3"]
-    batch = generate_ids(model, PROMPTS, max_new_tokens=12, eos_token_ids=[])
-    single = [generate_ids(model, [p], max_new_tokens=12, eos_token_ids=[]).tokens[0] for p in PROMPTS]
+    batch = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[])
+    single = [generate_ids(model, [p], max_new_tokens=8, eos_token_ids=[]).tokens[0] for p in PROMPTS]
     assert batch.tokens == single
 
 
 def test_eos_stops_each_sequence_independently(tiny):
     model, _ = tiny["llama"]
-    free = generate_ids(model, PROMPTS, max_new_tokens=12, eos_token_ids=[]).tokens
-    eos = free[0][3]  # sequence 0 emits this at step 3
-    res = generate_ids(model, PROMPTS, max_new_tokens=12, eos_token_ids=[eos])
+    free = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[]).tokens
+    # an EOS that sequence 0 emits early and some other sequence never emits
+    eos = next(t for t in free[0][1:5] if t not in free[1] or t not in free[2])
+    res = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[eos])
     for toks, got, reason in zip(free, res.tokens, res.stop_reasons):
         if eos in toks:
             cut = toks.index(eos) + 1
             assert got == toks[:cut] and reason == "eos"  # EOS kept, nothing after it
         else:
             assert got == toks and reason == "length"  # unaffected by the others stopping
-    assert res.stop_reasons[0] == "eos" and len(res.tokens[0]) <= 4
-    assert any(len(t) == 12 for t in res.tokens) or eos in sum(free, [])
+    assert res.stop_reasons[0] == "eos" and len(res.tokens[0]) <= 5
+    assert "length" in res.stop_reasons
 
 
 def test_context_limit_per_sequence_and_too_long_prompt(tiny):
