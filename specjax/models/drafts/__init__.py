@@ -1,9 +1,15 @@
 """Draft models (speculators 0.9.0 algorithms) as Flax nnx modules.
 
-    from specjax.models.drafts import load_draft
-    draft = load_draft("ckpt_dir", target)          # audit, verifier weights, params
-    out = draft(**packed_row)                        # training forward, logits over the draft vocab
-    prop = draft.propose(cache, ...)                 # inference: k draft tokens with its own KV cache
+    draft = load_draft("ckpt_dir", target)           # audit, verifier weights, params
+    out = draft(**packed_row)                         # training forward, logits over the draft vocab
+
+    # decode loop (every algorithm):
+    taps = draft.tap_ids(target.config.num_hidden_layers)
+    t = target(ids, tap_ids=taps, cache=tcache)
+    cache = draft.init_cache(batch, max_len)
+    prop = draft.speculate(cache, draft.aux_from_taps(t.aux_hidden_states), next_tokens, positions,
+                           n_valid=n_valid)        # prop.tokens [B, k] target ids, prop.logits [B, k, Vd]
+    cache = prop.cache                                # no rollback needed: only context rows commit
 
 Names are imported lazily.
 """

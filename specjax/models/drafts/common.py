@@ -162,3 +162,23 @@ def frozen_params(model) -> tuple[str, ...]:
 def trainable(model):
     """nnx filter selecting the params speculators trains (for ``nnx.state`` / ``nnx.grad``)."""
     return nnx.All(nnx.Param, nnx.Not(nnx.Any(*(nnx.PathContains(n) for n in frozen_params(model)))))
+
+
+class TargetTaps:
+    """Which target hidden states a draft consumes, as tap ids of ``specjax.models.CausalLM``
+    (id k < n: residual stream entering layer k = HF ``hidden_states[k]``; id n: final pre-norm
+    state), and how they are concatenated (aux-id order, the order ``fc`` was trained on)."""
+
+    aux_layer_ids: tuple | None = None
+
+    def tap_ids(self, num_target_layers: int) -> tuple[int, ...]:
+        n = int(num_target_layers)
+        if self.algorithm == "mtp":
+            return (n,)
+        # speculators resolves a missing list to [2, n // 2, n - 3] from the verifier config
+        return tuple(self.aux_layer_ids) if self.aux_layer_ids else (2, n // 2, n - 3)
+
+    def aux_from_taps(self, taps):
+        """Target ``aux_hidden_states`` (one [B, T, H] per tap id, in tap_ids order) -> [B, T, A*H]."""
+        taps = tuple(taps)
+        return taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.drafts.common import (
-    DraftCache, d2t_of, greedy, init_vocab, mlp_block, verifier_targets, write_rows,
+    DraftCache, TargetTaps, d2t_of, greedy, init_vocab, last_valid, mlp_block, verifier_targets, write_rows,
 )
 from specjax.models.drafts.eagle3 import Proposal
 from specjax.models.drafts.spec import DecoderSpec, DraftConfigError
@@ -71,7 +71,7 @@ def block_mask(document_ids, anchors, block_size: int, *, window: int | None, no
     return jnp.concatenate([base, jnp.broadcast_to(blk, (B, Q, Q))], axis=-1)[:, None]
 
 
-class DFlashDraft(nnx.Module):
+class DFlashDraft(TargetTaps, nnx.Module):
     algorithm = "dflash"
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
@@ -87,6 +87,7 @@ class DFlashDraft(nnx.Module):
             raise DraftConfigError("aux_hidden_state_layer_ids is not set; the fc width depends on it",
                                    key="aux_hidden_state_layer_ids")
         self.num_aux = len(config.aux_layer_ids)
+        self.aux_layer_ids = tuple(config.aux_layer_ids)
         self.block_size = int(config.block_size)
         self.mask_token_id = config.mask_token_id
         self.sample_from_anchor = bool(config.sample_from_anchor)
@@ -231,3 +232,19 @@ class DFlashDraft(nnx.Module):
         keys = jax.random.split(key if key is not None else jax.random.key(0), k)
         draft = jax.vmap(sample, in_axes=(1, 0), out_axes=1)(logits, keys)
         return Proposal(draft_to_target(draft, d2t_of(self)), draft, logits, cache)
+
+    def speculate(self, cache: DraftCache, hidden_states, next_tokens, positions, *, n_valid=None,
+                  k: int | None = None, sample: Callable = greedy, key=None):
+        """Shared decode-loop entry (see ``ChainProposer.speculate``): extend the context with the
+        new rows, then one block anchored at the token after the last real row, at its position + 1."""
+        B, n = next_tokens.shape
+        nv = jnp.full((B,), n, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+        cache = self.extend(cache, hidden_states, positions, nv)
+        prop = self.propose(cache, last_valid(next_tokens, nv), last_valid(positions, nv) + 1, sample=sample, key=key)
+        if k is not None and k != prop.tokens.shape[1]:
+            if k > prop.tokens.shape[1]:
+                raise DraftConfigError(f"a {self.algorithm} block drafts {prop.tokens.shape[1]} tokens; asked for {k}",
+                                       key="k")
+            prop = prop._replace(**{f: getattr(prop, f)[:, :k] for f in prop._fields
+                                    if f != "cache" and getattr(prop, f) is not None})
+        return prop

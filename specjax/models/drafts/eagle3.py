@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.drafts.common import (
-    DraftCache, attention, cache_mask, d2t_of, greedy, init_vocab, last_valid, mlp_block, verifier_targets,
+    DraftCache, TargetTaps, attention, cache_mask, d2t_of, greedy, init_vocab, last_valid, mlp_block,
+    verifier_targets,
 )
 from specjax.models.drafts.spec import DecoderSpec
 from specjax.models.drafts.vocab import draft_to_target
@@ -58,10 +59,23 @@ class Proposal(NamedTuple):
     cache: DraftCache
 
 
-class ChainProposer:
+class ChainProposer(TargetTaps):
     """``propose`` for drafts that chain one token at a time over a :class:`DraftCache`
     (EAGLE-3, MTP): needs ``extend(cache, hidden_states, input_ids, positions, n_valid)`` and
     ``step(cache, tokens, hidden, positions, s)``."""
+
+    token_position_offset = 0  # RoPE position of a context row = row position + this
+
+    def speculate(self, cache: DraftCache, hidden_states, next_tokens, positions, *, n_valid=None,
+                  k: int | None = None, sample: Callable = greedy, key=None) -> Proposal:
+        """The decode-loop entry every draft shares. New target rows since the last call:
+        ``hidden_states`` [B, n, *] (``aux_from_taps`` of the target's taps), ``next_tokens`` [B, n]
+        (the token after each row: the next input token, the bonus token for the last row),
+        ``positions`` [B, n] (the rows' own positions), ``n_valid`` [B] real rows (right
+        padding). Drafts ``k`` tokens after the last real row. No rollback is ever needed: the
+        cache only commits context rows; drafted rows are scratch."""
+        return self.propose(cache, hidden_states, next_tokens, positions + self.token_position_offset, k=k,
+                            n_valid=n_valid, sample=sample, key=key)
 
     def propose(self, cache: DraftCache, hidden_states, input_ids, positions, *, k: int | None = None, n_valid=None,
                 sample: Callable = greedy, key=None, forced=None) -> Proposal:
@@ -134,6 +148,7 @@ def ttt_mask(document_ids, window: int | None, steps_before: int):
 
 class Eagle3Draft(ChainProposer, nnx.Module):
     algorithm = "eagle3"
+    token_position_offset = 1  # a row's token is x_{j+1}; training positions are 1-based (shift_batch)
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
                  verifier_norm_unit_offset: bool = False):
@@ -143,6 +158,7 @@ class Eagle3Draft(ChainProposer, nnx.Module):
         self.spec = spec
         H = spec.hidden
         self.num_aux = config.num_aux
+        self.aux_layer_ids = tuple(config.aux_layer_ids) if config.aux_layer_ids else None
         self.norm_output = bool(config.norm_output)
         self.speculative_tokens = int(config.speculative_tokens)
         self.embed_requires_grad = bool(config.embed_requires_grad)

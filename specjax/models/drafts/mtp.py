@@ -80,6 +80,7 @@ def packed_causal_mask(position_ids, attention_mask=None):
 
 class MTPDraft(ChainProposer, nnx.Module):
     algorithm = "mtp"
+    token_position_offset = 0  # a row's position is its hidden state's, pos(t)
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32):
         """``config``: bridge ``MTPConfig`` (``transformer_layer_config`` is the verifier's own)."""
