@@ -229,7 +229,8 @@ def generate(prompts, *, target=None, chat: bool = False, max_new_tokens: int = 
     for p in prompts:
         if isinstance(p, str):
             if tok is None:
-                raise ValueError("this target has no tokenizer; pass token-id prompts")
+                raise ValueError(f"target {lt.source} has no tokenizer (no tokenizer.json, or a GGUF without one); "
+                                 "text prompts need one, token-id prompts do not")
             if chat:
                 ids.append(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                    tokenize=True))

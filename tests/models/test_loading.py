@@ -157,3 +157,15 @@ def test_more_tokens_than_cache(tiny_target):
     model = load_hf_dir(tiny_target("llama")[0])
     with pytest.raises(ContextLengthError, match="do not fit a KV cache of max_len 4"):
         model(jnp.zeros((1, 5), jnp.int32), cache=KVCache.init(model.config, 1, 4))
+
+
+def test_cli_generate_reports_bad_targets_without_traceback(tiny_target, tmp_path):
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    r = CliRunner().invoke(app, ["generate", "--target", str(tmp_path / "missing"), "--prompt", "hi"])
+    assert r.exit_code == 2 and "not a file, a directory, or a repo id" in r.output
+    assert "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["generate", "--target", str(tiny_target("llama")[0]), "--prompt", "hi"])
+    assert r.exit_code == 2 and "has no tokenizer" in r.output
