@@ -4,7 +4,6 @@ vocabulary, several layers, biases, sliding-window layers, sdpa and eager refere
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from specjax.models.drafts import load_draft

@@ -3,7 +3,6 @@ on the positions both compute, under jit, with ragged batches and rollback."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -220,10 +220,12 @@ def anchors(loss_mask: torch.Tensor, *, seed: int, max_anchors: int, block_size:
 
 
 def _run_dflash_family(algo, model, batch, *, seed, max_anchors, loss, anchor_positions, anchor_valid, **fwd):
+    import importlib
+
     import speculators.models.dflash.core as dcore
     from speculators.losses import resolve_loss_config
 
-    core = dcore if algo == "dflash" else __import__("speculators.models.dspark.core", fromlist=["x"])
+    core = importlib.import_module(f"speculators.models.{algo}.core")
     if anchor_positions is None:
         anchor_positions, anchor_valid = anchors(batch["loss_mask"], seed=seed, max_anchors=max_anchors,
                                                  block_size=model.block_size)
