@@ -20,10 +20,11 @@ transformers imports torch, so the few steps that shape the output are reproduce
 The tables below are transformers 5.19's for the families the three converters meet
 (llama, qwen2, qwen3, qwen3_next, qwen3_5_text, qwen3_5_moe_text);
 ``tests/bridge/external/test_hf_config.py`` compares them and the whole function with the
-installed transformers. Other families go through steps 3-4 only: a config that
-transformers itself saved holds nearly every field already, but class fields it left out
-(``use_cache`` is stripped by ``PretrainedConfig.save_pretrained``) stay absent
-(``exact=False``, reported to the user).
+installed transformers. Other families go through steps 3-4 only (plus ``use_cache``,
+which ``save_pretrained`` strips and every decoder class restores as True): a config that
+transformers itself saved holds every other field already, so the result is the same; a
+hand-written config missing class fields would lack those defaults (``exact=False``,
+reported to the user).
 """
 
 from __future__ import annotations
@@ -195,8 +196,10 @@ def layer_config_dict(model_type: str, kwargs: dict) -> tuple[dict, bool]:
         # 2. family __post_init__
         fam.post(c, kw)
     else:
-        for name in ("rope_parameters",):
-            c[name] = kw.pop(name, None)
+        c["rope_parameters"] = kw.pop("rope_parameters", None)
+        # save_pretrained strips use_cache (a generation parameter) from config.json, but every decoder
+        # config class has the field with default True, so transformers writes it back
+        c["use_cache"] = kw.pop("use_cache", True)
     # 3. PreTrainedConfig.__post_init__
     torch_dtype = kw.pop("torch_dtype", None)
     if torch_dtype is not None and c["dtype"] is None:
