@@ -167,14 +167,15 @@ def fill_verifier_weights(algo: str, flat: Mapping[str, Any], *, hidden_size: in
                           draft_vocab_size: int, source: VerifierSource | None, dtype=None,
                           where: str | None = None) -> dict[str, Any]:
     """Return ``flat`` (PyTorch-layout names) with the verifier-owned tensors filled per the
-    table above. ``dtype``: the dtype the filled tensors get (default: the checkpoint's own
-    embedding / fc dtype, else float32)."""
+    table above. ``dtype``: the dtype the filled tensors get (default: the float dtype of the
+    checkpoint's own weights, else float32)."""
     out = dict(flat)
     pruned = draft_vocab_size != vocab_size
     t2d = np.asarray(out["t2d"]) if pruned and "t2d" in out else None
-    if dtype is None:
-        ref = next((out[n] for n in ("embed_tokens.weight", "fc.weight", "lm_head.weight") if n in out), None)
-        dtype = np.asarray(ref).dtype if ref is not None else np.float32
+    if dtype is None:  # the checkpoint's own float dtype (bf16 training checkpoints stay bf16)
+        floats = [np.asarray(a).dtype for n, a in sorted(out.items())
+                  if n not in VERIFIER_OWNED and (np.asarray(a).dtype.kind == "f" or "float" in np.asarray(a).dtype.name)]
+        dtype = floats[0] if floats else np.float32
 
     def needs(name: str) -> bool:
         return name not in out or _has_nan(out[name])
