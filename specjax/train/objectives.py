@@ -1,0 +1,137 @@
+"""Per-algorithm losses and metrics on top of the drafts' training forwards.
+
+Metrics are ``{name: (sum, total)}`` pairs, reduced by summing and divided once
+(speculators' ``normalize_counted_metrics``), so batches and devices pool exactly.
+
+EAGLE-3 (``speculators.models.eagle3.metrics``): step ``s`` compares ``logits[s][:, :T-s]``
+with ``targets[:, s:]`` under ``loss_mask[:, s:]``; loss ``sum_s gamma^s * L_s``; ``full_acc_s``
+= masked positions whose greedy draft matched at steps 0..s (running ``prev_correct``, started
+from the loss mask and updated in place on its first ``T-s`` entries); ``cond_acc_s`` = matches
+at ``s`` / positions still correct before ``s``.
+
+DFlash (``speculators.models.dflash.metrics``): slot ``k = index % block_size``; fixed-exp-decay
+or D-PACE weights; ``position_k_acc``, ``full_acc`` and ``eal`` (per-block leading run of correct
+valid slots + 1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.train.losses import compound_loss, dflash_decay, dpace_weights, loss_function, LOSSES
+
+
+def eagle3_objective(logits, targets, loss_mask, *, loss_spec=(("kl_div", 1.0),), ttt_step_loss_decay: float = 1.0):
+    """logits [S, B, T, Vd] (one slab per TTT step), targets [B, T, Vd], loss_mask [B, T].
+    Returns (loss, metrics)."""
+    S, B, T = logits.shape[:3]
+    lm_full = loss_mask
+    prev = loss_mask.astype(bool)
+    tgt_ids = jnp.argmax(targets, axis=-1)
+    loss = jnp.zeros((), jnp.float32)
+    metrics = {}
+    for s in range(S):
+        lg = logits[s][:, : T - s]
+        tg = targets[:, s:]
+        m = lm_full[:, s:]
+        pc = prev[:, : T - s]
+        w = ttt_step_loss_decay ** s
+        l_s, terms = compound_loss(lg, tg, m, loss_spec, decay=(lambda el, w=w: jnp.full_like(el, w)) if w != 1.0
+                                   else None)
+        loss = loss + l_s
+        pred = jnp.argmax(lg, axis=-1)
+        correct = pred == tgt_ids[:, s:]
+        cond_total = pc.sum().astype(jnp.float32)
+        both = pc & correct
+        prev = prev.at[:, : T - s].set(both)
+        mb = m.astype(bool)
+        full_correct = (both & mb).sum().astype(jnp.float32)
+        full_total = mb.sum().astype(jnp.float32)
+        one = jnp.ones((), jnp.float32)
+        metrics[f"loss_{s}"] = (jax.lax.stop_gradient(l_s), one)
+        for name, v in terms.items():
+            metrics[f"{name}_{s}"] = (v, one)
+        metrics[f"full_acc_{s}"] = (full_correct, full_total)
+        metrics[f"cond_acc_{s}"] = (full_correct, cond_total)
+    metrics["loss"] = (jax.lax.stop_gradient(loss), jnp.ones((), jnp.float32))
+    return loss, metrics
+
+
+def dflash_objective(logits, targets, loss_mask, *, block_size: int, loss_spec=(("ce", 1.0),),
+                     per_position_loss_weight: str = "dpace", gamma: float = 4.0, dpace_alpha: float = 0.5,
+                     sample_from_anchor: bool = False):
+    """logits/targets [B, N*Bk, Vd], loss_mask [B, N*Bk] (already aligned, anchor-valid masked)."""
+    B, Q = loss_mask.shape
+    pos = jnp.broadcast_to(jnp.arange(Q) % block_size, (B, Q))
+    if per_position_loss_weight == "dpace":
+        def decay(el):
+            return dpace_weights(el, loss_mask, block_size, dpace_alpha)
+    else:
+        w = dflash_decay(pos, gamma, sample_from_anchor)
+
+        def decay(el):
+            return w
+    loss, terms = compound_loss(logits, targets, loss_mask, loss_spec, decay)
+    pred = jnp.argmax(logits, axis=-1)
+    tid = jnp.argmax(targets, axis=-1)
+    mb = loss_mask.astype(bool)
+    correct = (pred == tid) & mb
+    one = jnp.ones((), jnp.float32)
+    metrics = {"loss": (jax.lax.stop_gradient(loss), one)}
+    for name, v in terms.items():
+        metrics[name] = (v, one)
+    start = 0 if sample_from_anchor else 1
+    cpp = jnp.zeros(block_size).at[pos.reshape(-1)].add(correct.reshape(-1).astype(jnp.float32))
+    tpp = jnp.zeros(block_size).at[pos.reshape(-1)].add(mb.reshape(-1).astype(jnp.float32))
+    metrics["full_acc"] = (cpp[start:].sum(), tpp[start:].sum())
+    for k in range(start, block_size):
+        metrics[f"position_{k}_acc"] = (cpp[k], tpp[k])
+    c = (pred == tid).reshape(-1, block_size)[:, start:]
+    v = mb.reshape(-1, block_size)[:, start:]
+    acc = (c & v).astype(jnp.float32)
+    per_block = jnp.cumprod(acc, axis=-1).sum(-1) + 1.0
+    bv = v.any(-1).astype(jnp.float32)
+    metrics["eal"] = ((per_block * bv).sum(), bv.sum())
+    return loss, metrics
+
+
+def select_anchors(key, loss_mask, max_anchors: int, block_size: int):
+    """speculators' ``select_anchors`` with JAX randomness: a uniformly random subset of the
+    positions with ``loss_mask == 1`` outside the last ``block_size`` positions of the row,
+    ``min(max_anchors, #candidates)`` of them, ascending; the rest are anchor 0, invalid.
+    loss_mask [B, T] -> (anchors int32 [B, N], valid bool [B, N])."""
+    B, T = loss_mask.shape
+    cand = loss_mask.astype(bool) & (jnp.arange(T) < T - block_size)[None]
+    u = jax.random.uniform(key, (B, T))
+    score = jnp.where(cand, u, -1.0)
+    k = min(max_anchors, T)
+    top, idx = jax.lax.top_k(score, k)
+    valid = top >= 0
+    srt = jnp.sort(jnp.where(valid, idx, T), axis=-1)
+    valid = srt < T
+    anchors = jnp.where(valid, srt, 0).astype(jnp.int32)
+    if k < max_anchors:
+        pad = max_anchors - k
+        anchors = jnp.concatenate([anchors, jnp.zeros((B, pad), jnp.int32)], axis=1)
+        valid = jnp.concatenate([valid, jnp.zeros((B, pad), bool)], axis=1)
+    return anchors, valid
+
+
+def normalize_metrics(sums: dict) -> dict:
+    """``{name: (sum, total)}`` (host floats) -> ``{name: sum / total}`` (0 when total is 0)."""
+    out = {}
+    for k, (s, t) in sums.items():
+        s, t = float(s), float(t)
+        out[k] = s / t if t > 0 else 0.0
+    return out
+
+
+def accept_estimate(metrics: dict, steps: int) -> float:
+    """1 + sum_s full_acc_s: the expected tokens per verify step implied by the per-position
+    greedy acceptance (EAGLE-3 training metrics)."""
+    return 1.0 + sum(metrics.get(f"full_acc_{s}", 0.0) for s in range(steps))
+
+
+__all__ = ["eagle3_objective", "dflash_objective", "select_anchors", "normalize_metrics", "accept_estimate",
+           "loss_function", "LOSSES"]

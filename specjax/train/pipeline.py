@@ -1,0 +1,269 @@
+"""``specjax data prepare``: prompts -> (target-regenerated) chat rows with assistant-only loss
+masks -> hidden states -> token frequencies and t2d/d2t, all in one data directory in
+speculators' layout (see :mod:`specjax.train.dataset`).
+
+Two paths:
+
+* ``regenerate=True`` (self-distillation, the default recipe): every assistant turn is written
+  by the target (system/user turns drive it, original assistant turns are dropped, as
+  speculators' ``regenerate-responses``), batched, and the hidden states of each row are
+  captured in the same forwards (:mod:`specjax.train.selfdistill`). Each (conversation, turn)
+  lands in ``hidden_states/.staging/c{conv}_t{turn}.safetensors`` as soon as its batch is done,
+  so a killed run resumes where it stopped.
+* ``regenerate=False``: the given conversations are rendered (speculators' render-boundary
+  masks, :mod:`specjax.train.render`) and the hidden states extracted afterwards
+  (:func:`specjax.train.hidden_states.extract_hidden_states`, resumable per row).
+
+Rows are shuffled with ``seed`` (numpy ``default_rng(seed).permutation``, what ``datasets``'
+``shuffle`` uses) and ``hs_{i}`` is row ``i`` of the final order. ``specjax_data.json`` is
+written last and marks the directory complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from bridge.atomic import atomic_file
+from specjax.train import dataset as ds
+from specjax.train.errors import DatasetError
+from specjax.train.hidden_states import (
+    HS_DIR, cache_layer_ids, default_aux_layer_ids, extract_hidden_states, hs_path, is_complete, read_hs, write_hs,
+)
+from specjax.train.prompts import Conversation, PretokenizedRow, resolve_prompts
+from specjax.train.render import BoundaryUnstableError, conversation_rows, render_ids
+from specjax.train.vocab import (
+    TOKEN_FREQ_NAME, build_vocab_mapping, save_token_freq, save_vocab_mapping, token_frequencies,
+)
+
+FORMAT = "specjax-data-v1"
+STAGING = ".staging"
+
+
+@dataclass
+class DataSpec:
+    prompts: str = "builtin:stdlib"
+    regenerate: bool = True
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seq_length: int = 2048
+    minimum_valid_tokens: int | None = None
+    aux_layer_ids: list[int] | None = None
+    hidden_states_dtype: str = "bfloat16"
+    batch_size: int = 32
+    max_prompt_tokens: int = 512
+    max_batch_tokens: int = 4096
+    draft_vocab_size: int | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _user_turn_ends(conv: Conversation) -> list[int]:
+    """Indices just past each user turn in the conversation with assistant turns removed."""
+    kept = [t for t in conv if t["role"] != "assistant"]
+    return kept, [k + 1 for k, t in enumerate(kept) if t["role"] == "user"]
+
+
+def _staging(data_dir: Path, c: int, t: int) -> Path:
+    return data_dir / HS_DIR / STAGING / f"c{c}_t{t}.safetensors"
+
+
+def _regenerate(lt, convs: list[Conversation], data_dir: Path, spec: DataSpec, layer_ids, log, progress):
+    """Regenerate assistant turns round by round; returns ``[(conv, turn, staging_path)]`` in
+    (conversation, turn) order and the regenerated conversations."""
+    import jax.numpy as jnp
+
+    from specjax.decode.sampling import SamplingParams
+    from specjax.train.hidden_states import DTYPES
+    from specjax.train.selfdistill import generate_with_hidden_states
+
+    tok = lt.tokenizer
+    base, ends = [], []
+    for c in convs:
+        kept, e = _user_turn_ends(c)
+        base.append(kept)
+        ends.append(e)
+    histories: list[list[dict]] = [[] for _ in convs]  # regenerated conversation so far
+    cursor = [0] * len(convs)  # how much of base[c] is in histories[c]
+    out: list[tuple[int, int, Path]] = []
+    sampling = SamplingParams(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
+    meta_base = {"layer_ids": ",".join(map(str, layer_ids)), "target": str(lt.source), "format": "pt"}
+    eos = lt.eos_token_ids
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+    n_rounds = max((len(e) for e in ends), default=0)
+    skipped_long = 0
+    for r in range(n_rounds):
+        todo, prompts = [], []
+        for c in range(len(convs)):
+            if r >= len(ends[c]):
+                continue
+            histories[c] = histories[c] + base[c][cursor[c]: ends[c][r]]
+            cursor[c] = ends[c][r]
+            sp = _staging(data_dir, c, r)
+            if is_complete(sp):
+                rec = read_hs(sp)
+                histories[c].append({"role": "assistant", "content": rec.metadata.get("text", "")})
+                out.append((c, r, sp))
+                continue
+            ids = render_ids(tok, histories[c], add_generation_prompt=True)
+            if len(ids) > spec.max_prompt_tokens or len(ids) >= spec.seq_length:
+                skipped_long += 1
+                ends[c] = ends[c][:r]  # later turns of this conversation are dropped too
+                continue
+            todo.append(c)
+            prompts.append(ids)
+        if not todo:
+            continue
+
+        def on_batch(idx, res, todo=todo, r=r):
+            for k, g in zip(idx, res):
+                c = todo[k]
+                text = tok.decode(g.token_ids, skip_special_tokens=True)
+                row = (g.prompt_ids + g.token_ids)[: spec.seq_length]
+                hs = g.hidden_states[: len(row)]
+                m = dict(meta_base, prompt_len=str(len(g.prompt_ids)), text=text, stop=g.stop_reason)
+                write_hs(_staging(data_dir, c, r), hs, np.asarray(row, np.int64), metadata=m)
+
+        res = generate_with_hidden_states(
+            lt.model, prompts, max_new_tokens=spec.max_new_tokens, taps=layer_ids, sampling=sampling,
+            seed=spec.seed + r, eos_token_ids=eos, pad_id=pad, batch_size=spec.batch_size,
+            out_dtype=jnp.dtype(DTYPES[spec.hidden_states_dtype]), max_prompt_len=max(len(p) for p in prompts),
+            progress=progress, on_batch=on_batch, desc=f"regenerating (turn {r + 1})" if n_rounds > 1 else "regenerating")
+        for k, g in enumerate(res):
+            c = todo[k]
+            histories[c].append({"role": "assistant", "content": tok.decode(g.token_ids, skip_special_tokens=True)})
+            out.append((c, r, _staging(data_dir, c, r)))
+    if skipped_long and log:
+        log(f"skipped {skipped_long} turn(s) whose prompt exceeds {min(spec.max_prompt_tokens, spec.seq_length)} tokens")
+    out.sort(key=lambda x: (x[0], x[1]))
+    return out, histories
+
+
+def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress: bool = True,
+                 log: Callable[[str], None] | None = None) -> dict:
+    """Build (or resume building) a data directory. ``target``: a ``LoadedTarget``."""
+    t0 = time.perf_counter()
+    d = Path(out_dir)
+    meta = ds.read_meta(d)
+    if meta.get("complete"):
+        raise DatasetError("this data directory is already complete; use another --out (or delete it)", path=str(d))
+    d.mkdir(parents=True, exist_ok=True)
+    lt = target
+    cfg = lt.config
+    if lt.tokenizer is None:
+        raise DatasetError("the target has no tokenizer; chat rendering needs one", key="target")
+    n = cfg.num_hidden_layers
+    aux = list(spec.aux_layer_ids) if spec.aux_layer_ids else default_aux_layer_ids(n)
+    layer_ids = cache_layer_ids(aux, n)
+    if spec.draft_vocab_size is not None and spec.draft_vocab_size > cfg.vocab_size:
+        raise DatasetError(f"draft_vocab_size {spec.draft_vocab_size} is larger than the target vocabulary "
+                           f"({cfg.vocab_size})", key="draft_vocab_size")
+    records = resolve_prompts(spec.prompts, seed=spec.seed)
+    convs = [r for r in records if not isinstance(r, PretokenizedRow)]
+    pretok = [r for r in records if isinstance(r, PretokenizedRow)]
+    # a spec file guards against resuming with other settings
+    spec_p = d / "prepare_spec.json"
+    spec_doc = {"spec": asdict(spec), "target": str(lt.source), "layer_ids": layer_ids}
+    if spec_p.is_file():
+        old = json.loads(spec_p.read_text(encoding="utf-8"))
+        if old != spec_doc:
+            diff = sorted(k for k in set(old["spec"]) | set(spec_doc["spec"])
+                          if old["spec"].get(k) != spec_doc["spec"].get(k))
+            raise DatasetError(f"a partial build with other settings is here (differs in {diff or ['target']}); "
+                               "resume with the same settings or use another --out", path=str(d))
+    else:
+        with atomic_file(spec_p, text=True) as f:
+            f.write(json.dumps(spec_doc, indent=2, sort_keys=True))
+    sources: list[tuple[str, object]] = []  # ("staged", path) | ("row", (ids, mask))
+    regenerated = convs
+    if spec.regenerate and convs:
+        staged, regenerated = _regenerate(lt, convs, d, spec, layer_ids, log, progress)
+        sources += [("staged", p) for _, _, p in staged]
+    else:
+        for k, c in enumerate(convs):
+            try:
+                rows = conversation_rows(lt.tokenizer, c, max_length=spec.seq_length,
+                                         minimum_valid_tokens=spec.minimum_valid_tokens)
+            except BoundaryUnstableError as e:
+                if log:
+                    log(f"conversation {k}: {e}; skipped")
+                continue
+            sources += [("row", r) for r in rows]
+    for r in pretok:
+        ids, mask = r.input_ids[: spec.seq_length], r.loss_mask[: spec.seq_length]
+        if sum(mask) > 0:
+            sources.append(("row", (ids, mask)))
+    if not sources:
+        raise DatasetError("no training rows: every prompt was empty, unsupervised or too long", key="prompts")
+    perm = np.random.default_rng(spec.seed).permutation(len(sources))
+    rows = ds.TokenRows()
+    moves = []
+    for i, j in enumerate(perm):
+        kind, src = sources[int(j)]
+        if kind == "staged":
+            final = hs_path(d, i)
+            if src.is_file():
+                rec = read_hs(src)
+                ids = np.asarray(rec.token_ids)
+                plen = int(rec.metadata.get("prompt_len", "0"))
+                moves.append((src, final))
+            else:  # moved by an earlier, interrupted assembly
+                rec = read_hs(final)
+                ids = np.asarray(rec.token_ids)
+                plen = int(rec.metadata.get("prompt_len", "0"))
+            mask = np.zeros(len(ids), np.int64)
+            mask[plen:] = 1
+            rows.append(ids, mask)
+        else:
+            rows.append(*src)
+    for src, dst in moves:
+        os.replace(src, dst)
+    ds.write_rows(d, rows)
+    if regenerated is not convs:
+        from specjax.train.prompts import write_prompt_file
+
+        write_prompt_file(d / "conversations.jsonl", regenerated)
+    plain = [i for i, j in enumerate(perm) if sources[int(j)][0] == "row"]
+    ext = None
+    if plain:
+        ext = extract_hidden_states(lt.model, rows, d, aux_layer_ids=aux, dtype=spec.hidden_states_dtype,
+                                    max_batch_tokens=spec.max_batch_tokens, indices=plain, progress=progress,
+                                    target_name=str(lt.source), log=log)
+    freq = token_frequencies(rows)
+    save_token_freq(d / TOKEN_FREQ_NAME, freq)
+    if spec.draft_vocab_size is not None:
+        save_vocab_mapping(d, *build_vocab_mapping(freq, spec.draft_vocab_size, cfg.vocab_size))
+    staging = d / HS_DIR / STAGING
+    if staging.is_dir() and not any(staging.iterdir()):
+        staging.rmdir()
+    out = {
+        "format": FORMAT, "complete": True, "target": str(lt.source), "target_kind": lt.kind,
+        "num_hidden_layers": n, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+        "aux_layer_ids": aux, "layer_ids": layer_ids, "hidden_states_dtype": spec.hidden_states_dtype,
+        "rows": len(rows), "tokens": int(rows.lengths.sum()), "supervised_tokens": rows.supervised_tokens(),
+        "distinct_supervised_tokens": len(freq), "prompts": spec.prompts, "regenerate": spec.regenerate,
+        "seconds": round(time.perf_counter() - t0, 2), "spec": asdict(spec),
+    }
+    if ext:
+        out["extraction"] = {k: v for k, v in ext.items() if k != "layer_ids"}
+    ds.write_meta(d, out)
+    return out
+
+
+def load_data_dir(path: str | os.PathLike) -> tuple[ds.TokenRows, dict]:
+    """Rows + metadata of a data directory (ours or speculators'; the latter has no metadata)."""
+    d = Path(path)
+    rows = ds.read_rows(d)
+    meta = ds.read_meta(d)
+    if meta and not meta.get("complete"):
+        raise DatasetError("the data directory is incomplete (a `specjax data prepare` was interrupted); run it "
+                           "again to finish", path=str(d))
+    return rows, meta

@@ -1,0 +1,366 @@
+"""Prompts in: conversation / prompt JSONL files (errors name the line) and a built-in offline
+prompt set made from Python's own standard library.
+
+File lines (JSONL; ``.json`` holding one list also works), one record each:
+
+* ``{"conversations": [{"from"|"role": ..., "value"|"content": ...}, ...]}`` (ShareGPT / OpenAI;
+  also ``"messages"``) or a bare list of such turns;
+* ``{"prompt": "..."}`` / ``{"text": "..."}`` / ``{"instruction": ..., "input": ...}`` or a bare
+  JSON string: one user turn (the assistant turn comes from the target when regenerating);
+* ``{"input_ids": [...], "loss_mask": [...]}``: already tokenized rows, passed through.
+
+Roles are normalised as speculators' ``_normalize_conversation`` does: human/user -> user,
+gpt/assistant -> assistant, system, tool, anything else -> assistant.
+
+Built-in sets (``builtin:<name>[:<n>]``), parsed with ``ast`` from the stdlib sources that ship
+with the interpreter (nothing is imported or downloaded). Modules are split once by a hash of
+their name: ``stdlib`` (training) never uses a module the ``eval-code`` / ``eval-prose`` sets use.
+
+* ``stdlib``: a mix of code prompts (complete a function from its signature and docstring,
+  write a function from a description, add docstrings / type hints, explain or review code)
+  and prose prompts (what a function or class does, explain a module, summarise documentation).
+* ``eval-code``: function-completion prompts from the held-out modules.
+* ``eval-prose``: explanation prompts from the held-out modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+import sysconfig
+import textwrap
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from specjax.train.errors import PromptFileError
+
+Conversation = list[dict[str, Any]]
+
+
+@dataclass
+class PretokenizedRow:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def normalize_conversation(turns: list) -> Conversation:
+    """speculators' role / content normalisation (``preprocessing._normalize_conversation``)."""
+    out = []
+    for t in turns:
+        role = t.get("from", t.get("role", ""))
+        content = t.get("value") or t.get("content") or ""
+        if role in ("human", "user"):
+            role = "user"
+        elif role in ("gpt", "assistant"):
+            role = "assistant"
+        elif role not in ("system", "tool"):
+            role = "assistant"
+        turn = {"role": role, "content": content}
+        for k in ("tool_calls", "tool_call_id"):
+            if t.get(k):
+                turn[k] = t[k]
+        thinking = t.get("thinking") or t.get("reasoning_content")
+        if thinking:
+            turn["thinking"] = thinking
+            turn["reasoning_content"] = thinking
+        out.append(turn)
+    return out
+
+
+def _record(obj: Any, where: str) -> Conversation | PretokenizedRow:
+    def bad(msg: str):
+        raise PromptFileError(msg, path=where)
+
+    if isinstance(obj, str):
+        if not obj.strip():
+            bad("empty prompt string")
+        return [{"role": "user", "content": obj}]
+    if isinstance(obj, list):
+        turns = obj
+    elif isinstance(obj, dict):
+        if "input_ids" in obj or "loss_mask" in obj:
+            ids, mask = obj.get("input_ids"), obj.get("loss_mask")
+            if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+                bad("pretokenized rows need equal-length integer lists 'input_ids' and 'loss_mask'")
+            if not all(isinstance(x, int) for x in ids) or not all(x in (0, 1) for x in mask):
+                bad("'input_ids' must be integers and 'loss_mask' 0/1")
+            return PretokenizedRow(ids, mask)
+        turns = obj.get("conversations", obj.get("messages"))
+        if turns is None:
+            for k in ("prompt", "text", "question", "instruction"):
+                if isinstance(obj.get(k), str) and obj[k].strip():
+                    text = obj[k]
+                    if k == "instruction" and isinstance(obj.get("input"), str) and obj["input"].strip():
+                        text = f"{text}\n\n{obj['input']}"
+                    conv = [{"role": "user", "content": text}]
+                    for rk in ("response", "output", "completion", "answer"):
+                        if isinstance(obj.get(rk), str):
+                            conv.append({"role": "assistant", "content": obj[rk]})
+                            break
+                    return conv
+            bad(f"no 'conversations', 'messages', 'prompt' or 'text' key (found {sorted(obj)[:8]})")
+    else:
+        bad(f"a JSON {type(obj).__name__}; expected an object, a list of turns or a string")
+    if not isinstance(turns, list) or not turns:
+        bad("'conversations' must be a non-empty list of turns")
+    for k, t in enumerate(turns):
+        if not isinstance(t, dict):
+            bad(f"turn {k} is a JSON {type(t).__name__}; expected an object with role/content")
+        if not any(r in t for r in ("role", "from")):
+            bad(f"turn {k} has no 'role' (or 'from') key")
+        c = t.get("content", t.get("value"))
+        if c is not None and not isinstance(c, str):
+            bad(f"turn {k} content is a {type(c).__name__}; only text content is supported")
+    return normalize_conversation(turns)
+
+
+def load_prompt_file(path: str | os.PathLike) -> list[Conversation | PretokenizedRow]:
+    """Parse a JSONL (or JSON list) prompt file; a malformed line raises :class:`PromptFileError`
+    naming ``file:line``."""
+    p = Path(path)
+    if not p.is_file():
+        raise PromptFileError("prompt file does not exist", path=str(p))
+    text = p.read_text(encoding="utf-8")
+    out: list = []
+    if p.suffix == ".json":
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            raise PromptFileError(f"not valid JSON: {e}", path=str(p)) from None
+        if not isinstance(doc, list):
+            raise PromptFileError("a .json prompt file must hold a list of records", path=str(p))
+        return [_record(o, f"{p}[{i}]") for i, o in enumerate(doc)]
+    for ln, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise PromptFileError(f"line {ln}: not valid JSON ({e.msg} at column {e.colno})", path=str(p)) from None
+        out.append(_record(obj, f"{p}:{ln}"))
+    if not out:
+        raise PromptFileError("no records (the file is empty)", path=str(p))
+    return out
+
+
+def write_prompt_file(path: str | os.PathLike, convs: list[Conversation]) -> Path:
+    from bridge.atomic import atomic_file
+
+    with atomic_file(path, text=True) as f:
+        for c in convs:
+            f.write(json.dumps({"conversations": c}, ensure_ascii=False) + "\n")
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------- built-in set
+
+# Pure-Python stdlib modules with real docstrings; packages are walked one level down.
+_MODULES = (
+    "abc argparse ast base64 bisect calendar cmd code codecs collections colorsys configparser contextlib copy csv "
+    "dataclasses datetime decimal difflib dis email enum filecmp fileinput fnmatch fractions ftplib functools "
+    "getopt gettext glob graphlib gzip hashlib heapq hmac html http imaplib inspect ipaddress json keyword "
+    "linecache locale logging lzma mailbox mimetypes netrc numbers operator optparse os pathlib pickle pickletools "
+    "pkgutil platform plistlib poplib pprint profile pstats py_compile pydoc queue quopri random re reprlib "
+    "sched secrets selectors shelve shlex shutil signal smtplib socket socketserver sqlite3 statistics string "
+    "stringprep struct subprocess symtable sysconfig tabnanny tarfile tempfile textwrap threading timeit token "
+    "tokenize tomllib trace traceback tracemalloc types typing unittest urllib uuid warnings wave weakref "
+    "webbrowser xml zipapp zipfile zipimport zoneinfo asyncio concurrent importlib multiprocessing wsgiref xmlrpc "
+    "encodings ctypes curses dbm json sqlite3 venv ensurepip"
+).split()
+
+EVAL_BUCKET = 5  # modules with crc32(name) % EVAL_BUCKET == 0 are held out for evaluation
+
+
+def is_eval_module(name: str) -> bool:
+    return zlib.crc32(name.split(".")[0].encode()) % EVAL_BUCKET == 0
+
+
+@dataclass
+class _Item:
+    module: str
+    qualname: str
+    kind: str  # "function" | "class" | "module"
+    header: str  # "def f(a, b=1) -> int:" (dedented), or "class C(Base):"
+    doc: str
+    source: str
+    body_lines: int
+
+
+def _stdlib_files() -> Iterator[tuple[str, Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    seen = set()
+    for name in dict.fromkeys(_MODULES):
+        f = root / f"{name}.py"
+        pkg = root / name
+        files = []
+        if f.is_file():
+            files.append((name, f))
+        elif pkg.is_dir():
+            for sub in sorted(pkg.glob("*.py")):
+                if sub.name.startswith("_") and sub.name != "__init__.py":
+                    continue
+                mod = name if sub.name == "__init__.py" else f"{name}.{sub.stem}"
+                files.append((mod, sub))
+        for mod, path in files:
+            if path not in seen:
+                seen.add(path)
+                yield mod, path
+
+
+def _items_of(mod: str, path: Path) -> Iterator[_Item]:
+    try:
+        src = path.read_text(encoding="utf-8")
+        tree = ast.parse(src)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    lines = src.splitlines()
+    mdoc = ast.get_docstring(tree)
+    if mdoc and len(mdoc) > 80:
+        yield _Item(mod, mod, "module", "", mdoc, "", 0)
+
+    def header_of(node) -> str:
+        start = node.lineno - 1
+        end = node.body[0].lineno - 1 if node.body else node.lineno
+        head = "\n".join(lines[start:end])
+        # strip everything from the docstring start if the first body stmt is on the header line
+        return textwrap.dedent(head).rstrip()
+
+    def visit(node, prefix: str):
+        for ch in getattr(node, "body", []):
+            if isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if ch.name.startswith("_") and ch.name != "__init__":
+                    continue
+                doc = ast.get_docstring(ch)
+                qual = f"{prefix}{ch.name}"
+                if doc and len(doc) >= 40:
+                    first = min([ch.lineno] + [d.lineno for d in ch.decorator_list]) - 1
+                    seg = textwrap.dedent("\n".join(lines[first: ch.end_lineno or ch.lineno]))
+                    head = header_of(ch)
+                    if head.endswith(":") and "\n" not in head.strip() or head.count("\n") < 6:
+                        kind = "class" if isinstance(ch, ast.ClassDef) else "function"
+                        yield _Item(mod, qual, kind, head, doc, seg, seg.count("\n") + 1)
+                if isinstance(ch, ast.ClassDef):
+                    yield from visit(ch, f"{qual}.")
+
+    yield from visit(tree, "")
+
+
+def _first_para(doc: str) -> str:
+    return doc.strip().split("\n\n")[0].strip()
+
+
+def _code_block(s: str) -> str:
+    return f"```python\n{s.rstrip()}\n```"
+
+
+def _indent_doc(doc: str, indent: str = "    ") -> str:
+    body = doc.strip().replace('"""', "'''")
+    return textwrap.indent(f'"""{body}\n"""', indent) if "\n" in body else f'{indent}"""{body}"""'
+
+
+_CODE_TEMPLATES = (
+    "Complete the following Python function:\n\n{stub}",
+    "Implement this Python function so that it does what its docstring says.\n\n{stub}",
+    "Write the body of this function:\n\n{stub}",
+    "Finish the implementation:\n\n{stub}",
+    "{stub}\n\nComplete the function above.",
+)
+_WRITE_TEMPLATES = (
+    "Write a Python function `{name}` that does the following: {summary}",
+    "In Python, write a function named `{name}`. {summary}",
+    "Write Python code for `{header}` given this description: {summary}",
+)
+_EXPLAIN_CODE = (
+    "Explain what this Python code does:\n\n{code}",
+    "Walk me through the following code step by step.\n\n{code}",
+    "Review this Python code and suggest improvements.\n\n{code}",
+    "Add type hints and a short docstring to this function.\n\n{code}",
+    "Write a unit test for this function.\n\n{code}",
+)
+_PROSE = (
+    "What does `{full}` do in Python?",
+    "Explain the purpose of `{full}` from the Python standard library, with a short example.",
+    "Summarize the following documentation in plain English:\n\n{doc}",
+    "When would I use `{full}`? Explain briefly.",
+    "Here is the documentation of `{full}`:\n\n{doc}\n\nExplain it to a beginner.",
+)
+_MODULE_PROSE = (
+    "Explain what the Python `{mod}` module is for.",
+    "Give an overview of the `{mod}` module in Python's standard library.",
+    "Summarize this module documentation:\n\n{doc}",
+)
+
+
+def _stub(it: _Item) -> str:
+    return _code_block(f"{it.header}\n{_indent_doc(_first_para(it.doc) if len(it.doc) > 600 else it.doc)}")
+
+
+def _code_prompts(it: _Item, rng: random.Random) -> list[str]:
+    out = []
+    if it.kind == "function" and it.header.lstrip().startswith(("def ", "async def ", "@")):
+        out.append(rng.choice(_CODE_TEMPLATES).format(stub=_stub(it)))
+        name = it.qualname.split(".")[-1]
+        out.append(rng.choice(_WRITE_TEMPLATES).format(name=name, header=it.header.strip().rstrip(":"),
+                                                       summary=_first_para(it.doc)))
+    if it.source and 4 <= it.body_lines <= 40:
+        out.append(rng.choice(_EXPLAIN_CODE).format(code=_code_block(it.source)))
+    return out
+
+
+def _prose_prompts(it: _Item, rng: random.Random) -> list[str]:
+    if it.kind == "module":
+        return [rng.choice(_MODULE_PROSE).format(mod=it.module, doc=it.doc.strip()[:1200])]
+    full = f"{it.module}.{it.qualname}"
+    return [rng.choice(_PROSE).format(full=full, doc=it.doc.strip()[:1200])]
+
+
+def _collect(split: str) -> list[_Item]:
+    items = []
+    for mod, path in _stdlib_files():
+        if is_eval_module(mod) == (split == "train"):
+            continue
+        items.extend(_items_of(mod, path))
+    return items
+
+
+def builtin_prompts(name: str = "stdlib", n: int | None = None, *, seed: int = 0) -> list[Conversation]:
+    """A built-in prompt set (see the module docstring) as single-user-turn conversations,
+    shuffled with ``seed`` and cut to ``n``."""
+    rng = random.Random(seed)
+    if name == "stdlib":
+        items = _collect("train")
+        prompts = []
+        for it in items:
+            prompts.extend(_code_prompts(it, rng))
+            prompts.extend(_prose_prompts(it, rng))
+    elif name == "eval-code":
+        items = [it for it in _collect("eval") if it.kind == "function"
+                 and it.header.lstrip().startswith(("def ", "async def "))]
+        prompts = [_CODE_TEMPLATES[0].format(stub=_stub(it)) for it in items]
+    elif name == "eval-prose":
+        prompts = [_PROSE[i % 2].format(full=f"{it.module}.{it.qualname}", doc="") if it.kind != "module"
+                   else _MODULE_PROSE[0].format(mod=it.module, doc="") for i, it in enumerate(_collect("eval"))]
+    else:
+        raise PromptFileError(f"unknown built-in prompt set {name!r}; expected stdlib, eval-code or eval-prose",
+                              key="prompts")
+    prompts = sorted(set(prompts))
+    rng.shuffle(prompts)
+    if n is not None:
+        prompts = prompts[: int(n)]
+    return [[{"role": "user", "content": p}] for p in prompts]
+
+
+def resolve_prompts(spec: str, *, seed: int = 0) -> list[Conversation | PretokenizedRow]:
+    """``builtin:<name>[:<n>]`` or a file path."""
+    if spec.startswith("builtin:"):
+        parts = spec.split(":")
+        n = int(parts[2]) if len(parts) > 2 and parts[2] else None
+        return builtin_prompts(parts[1] or "stdlib", n, seed=seed)
+    return load_prompt_file(spec)
