@@ -210,3 +210,21 @@ def test_verifier_as_loaded_target(draft_ckpt, verifiers):
     b = flat_params(specjax.load_draft(ck, specjax.load_target(str(verifiers["qwen3"]))))
     for n in a:
         np.testing.assert_array_equal(a[n], b[n], err_msg=n)
+
+
+def test_inference_only_draft_needs_no_verifier(draft_ckpt, tmp_path):
+    """EAGLE-3 checkpoints carry embed_tokens and lm_head: without verifier heads they load with no
+    verifier at all, and propose exactly as the full draft does."""
+    ck = draft_ckpt("eagle3", "llama", draft_vocab=40)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["name_or_path"] = None
+    lone = rewrite(ck, tmp_path / "x", config={"speculators_config": cfg["speculators_config"]})
+    with pytest.raises(MissingVerifierWeightsError, match="verifier_lm_head"):
+        load_draft(lone)
+    small = load_draft(lone, verifier_heads=False)
+    assert small.verifier_lm_head is None and small.verifier_norm is None
+    full = flat_params(load_draft(ck))
+    for n, v in flat_params(small).items():
+        np.testing.assert_array_equal(v, full[n], err_msg=n)
+    with pytest.raises(Exception, match="verifier heads"):
+        small.targets(jnp.zeros((1, 2, 32)))

@@ -120,6 +120,9 @@ def init_vocab(module, spec: DecoderSpec, draft_vocab_size: int, *, rngs: nnx.Rn
     if verifier_heads:
         module.verifier_lm_head = dense(H, draft_vocab_size, bias=False, rngs=rngs, param_dtype=param_dtype)
         module.verifier_norm = RMSNorm(H, spec.eps, param_dtype=param_dtype, unit_offset=verifier_norm_unit_offset)
+    else:
+        module.verifier_lm_head = None
+        module.verifier_norm = None
     if draft_vocab_size != V:
         module.t2d = VocabBuffer(jnp.zeros((V,), bool))
         module.d2t = VocabBuffer(jnp.zeros((draft_vocab_size,), jnp.int32))
@@ -134,6 +137,11 @@ def d2t_of(module):
 
 def verifier_targets(module, verifier_last_hidden_states):
     """``verifier_lm_head(verifier_norm(y))`` under stop_gradient: the training targets [.., Vd]."""
+    if module.verifier_lm_head is None:
+        from specjax.models.drafts.spec import DraftConfigError
+
+        raise DraftConfigError("this draft was built without verifier heads (verifier_heads=False), so it cannot "
+                               "compute training targets; load it with verifier_heads=True", key="verifier_lm_head")
     y = jax.lax.stop_gradient(verifier_last_hidden_states)
     return jax.lax.stop_gradient(module.verifier_lm_head(module.verifier_norm(y)))
 

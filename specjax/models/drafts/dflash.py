@@ -75,7 +75,7 @@ class DFlashDraft(TargetTaps, nnx.Module):
     algorithm = "dflash"
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
-                 verifier_norm_unit_offset: bool = False):
+                 verifier_norm_unit_offset: bool = False, verifier_heads: bool = True):
         """``config``: bridge ``DFlashConfig`` (or ``DSparkConfig``). ``verifier_norm_unit_offset``:
         the verifier's final norm is ``x * (1 + w)`` (Gemma / Qwen3.5 families; 0.9.0's
         ``resolve_verifier_norm_class``)."""
@@ -94,7 +94,7 @@ class DFlashDraft(TargetTaps, nnx.Module):
         self.non_causal = bool(config.sliding_window_non_causal)
         self.speculative_tokens = int(config.speculative_tokens)
         init_vocab(self, spec, config.draft_vocab_size, rngs=rngs, param_dtype=param_dtype,
-                   verifier_norm_unit_offset=verifier_norm_unit_offset)
+                   verifier_norm_unit_offset=verifier_norm_unit_offset, verifier_heads=verifier_heads)
         self.layers = nnx.List([spec.layer(i, rngs=rngs, param_dtype=param_dtype) for i in range(spec.num_layers)])
         self.norm = RMSNorm(H, spec.eps, param_dtype=param_dtype)
         self.fc = dense(self.num_aux * H, H, bias=False, rngs=rngs, param_dtype=param_dtype)

@@ -111,9 +111,10 @@ class DSparkDraft(DFlashDraft):
     algorithm = "dspark"
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
-                 verifier_norm_unit_offset: bool = False):
+                 verifier_norm_unit_offset: bool = False, verifier_heads: bool = True):
         rngs = rngs or nnx.Rngs(0)
-        super().__init__(config, rngs=rngs, param_dtype=param_dtype, verifier_norm_unit_offset=verifier_norm_unit_offset)
+        super().__init__(config, rngs=rngs, param_dtype=param_dtype, verifier_norm_unit_offset=verifier_norm_unit_offset,
+                         verifier_heads=verifier_heads)
         H = self.spec.hidden
         r = int(config.markov_rank)
         self.markov_head = MarkovHead(self.vocab_size, self.draft_vocab_size, r, H, config.markov_head_type,

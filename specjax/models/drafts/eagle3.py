@@ -151,8 +151,9 @@ class Eagle3Draft(ChainProposer, nnx.Module):
     token_position_offset = 1  # a row's token is x_{j+1}; training positions are 1-based (shift_batch)
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
-                 verifier_norm_unit_offset: bool = False):
-        """``config``: bridge ``Eagle3Config`` (or ``PEagleConfig``)."""
+                 verifier_norm_unit_offset: bool = False, verifier_heads: bool = True):
+        """``config``: bridge ``Eagle3Config`` (or ``PEagleConfig``). ``verifier_heads=False`` leaves out
+        ``verifier_lm_head`` / ``verifier_norm`` (only the training targets need them)."""
         rngs = rngs or nnx.Rngs(0)
         spec = DecoderSpec.eagle_family(config.transformer_layer_config)
         self.spec = spec
@@ -163,7 +164,7 @@ class Eagle3Draft(ChainProposer, nnx.Module):
         self.speculative_tokens = int(config.speculative_tokens)
         self.embed_requires_grad = bool(config.embed_requires_grad)
         init_vocab(self, spec, config.draft_vocab_size, rngs=rngs, param_dtype=param_dtype,
-                   verifier_norm_unit_offset=verifier_norm_unit_offset)
+                   verifier_norm_unit_offset=verifier_norm_unit_offset, verifier_heads=verifier_heads)
         A = self.num_aux
         self.fc = dense(A * H, H, bias=False, rngs=rngs, param_dtype=param_dtype)
         self.input_norm = RMSNorm(A * H, spec.eps, param_dtype=param_dtype) if config.norm_before_fc else None

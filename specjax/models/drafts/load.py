@@ -42,12 +42,14 @@ def draft_class(algorithm: str) -> type:
 
 
 def build_draft(config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32, abstract: bool = False,
-                verifier_norm_unit_offset: bool = False):
+                verifier_norm_unit_offset: bool = False, verifier_heads: bool = True):
     """The (randomly initialised, or ``abstract``) draft module for a bridge config."""
     cls = draft_class(config.speculators_model_type)
     kw = {"param_dtype": param_dtype}
     if config.speculators_model_type in ("dflash", "dspark"):
         kw["verifier_norm_unit_offset"] = verifier_norm_unit_offset
+    if config.speculators_model_type != "mtp":
+        kw["verifier_heads"] = verifier_heads
     if abstract:
         return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), **kw))
     return cls(config, rngs=rngs or nnx.Rngs(0), **kw)
@@ -70,7 +72,8 @@ def _verifier_dir(target: Any) -> str | None:
     return None
 
 
-def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifier_norm_unit_offset: bool = False):
+def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifier_norm_unit_offset: bool = False,
+                     verifier_heads: bool = True):
     """Build the draft for ``config`` and load a complete flat (PyTorch-layout) tensor dict."""
     from bridge import layout
 
@@ -79,7 +82,8 @@ def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifie
     tree = layout.unflatten(flat, layout.TABLES[config.speculators_model_type], where=where)
     ref = np.asarray(flat["lm_head.weight"]).dtype
     pdtype = dtype or ref
-    model = build_draft(config, param_dtype=pdtype, abstract=True, verifier_norm_unit_offset=verifier_norm_unit_offset)
+    model = build_draft(config, param_dtype=pdtype, abstract=True, verifier_norm_unit_offset=verifier_norm_unit_offset,
+                        verifier_heads=verifier_heads)
     load_tree(model, tree, where=where, dtype=dtype)
     if config.draft_vocab_size != config.layer.vocab_size:
         model.t2d.set_value(jnp.asarray(np.asarray(t2d).astype(bool)))
@@ -87,12 +91,15 @@ def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifie
     return model
 
 
-def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit: bool = True):
+def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit: bool = True,
+               verifier_heads: bool = True):
     """A ready draft module from checkpoint ``path`` and its verifier ``target`` (an HF
     directory, a loaded specjax target model, or a ``{name: array}`` mapping). ``target=None``
     uses ``speculators_config.verifier.name_or_path`` when that directory exists (as
     speculators does); without any verifier every verifier-owned tensor must be in the
-    checkpoint. ``dtype``: None keeps the checkpoint's float dtype."""
+    checkpoint. ``dtype``: None keeps the checkpoint's float dtype. ``verifier_heads=False``
+    (inference only) builds no ``verifier_lm_head`` / ``verifier_norm``: less memory, and a
+    checkpoint that carries embed_tokens and lm_head then loads without any verifier."""
     import bridge
 
     path = Path(path)
@@ -114,6 +121,7 @@ def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit
     source = _source(target, cfg)
     flat = fill_verifier_weights(cfg.speculators_model_type, flat, hidden_size=lc.hidden_size,
                                  vocab_size=lc.vocab_size, draft_vocab_size=cfg.draft_vocab_size, source=source,
-                                 where=str(path))
+                                 where=str(path), verifier_heads=verifier_heads)
     unit = bool(source is not None and source.gemma_style_norm and cfg.speculators_model_type in ("dflash", "dspark"))
-    return module_from_flat(cfg, flat, dtype=dtype, where=str(path), verifier_norm_unit_offset=unit)
+    return module_from_flat(cfg, flat, dtype=dtype, where=str(path), verifier_norm_unit_offset=unit,
+                            verifier_heads=verifier_heads)

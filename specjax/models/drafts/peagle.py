@@ -58,9 +58,10 @@ class PEagleDraft(Eagle3Draft):
     token_position_offset = 0  # training RoPE positions are packed-row indices of the aux rows
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
-                 verifier_norm_unit_offset: bool = False):
+                 verifier_norm_unit_offset: bool = False, verifier_heads: bool = True):
         rngs = rngs or nnx.Rngs(0)
-        super().__init__(config, rngs=rngs, param_dtype=param_dtype, verifier_norm_unit_offset=verifier_norm_unit_offset)
+        super().__init__(config, rngs=rngs, param_dtype=param_dtype, verifier_norm_unit_offset=verifier_norm_unit_offset,
+                         verifier_heads=verifier_heads)
         self.mask_token_id = config.mask_token_id
         A, H = self.num_aux, self.spec.hidden
         self.mask_hidden = nnx.Param(jax.random.normal(rngs.params(), (1, 1, A * H), param_dtype))

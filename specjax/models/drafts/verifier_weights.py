@@ -165,10 +165,11 @@ def owned_tensors(algo: str) -> tuple[str, ...]:
 
 def fill_verifier_weights(algo: str, flat: Mapping[str, Any], *, hidden_size: int, vocab_size: int,
                           draft_vocab_size: int, source: VerifierSource | None, dtype=None,
-                          where: str | None = None) -> dict[str, Any]:
+                          where: str | None = None, verifier_heads: bool = True) -> dict[str, Any]:
     """Return ``flat`` (PyTorch-layout names) with the verifier-owned tensors filled per the
     table above. ``dtype``: the dtype the filled tensors get (default: the float dtype of the
-    checkpoint's own weights, else float32)."""
+    checkpoint's own weights, else float32). ``verifier_heads=False``: verifier_lm_head and
+    verifier_norm are neither required nor returned (inference-only drafts)."""
     out = dict(flat)
     pruned = draft_vocab_size != vocab_size
     t2d = np.asarray(out["t2d"]) if pruned and "t2d" in out else None
@@ -217,7 +218,11 @@ def fill_verifier_weights(algo: str, flat: Mapping[str, Any], *, hidden_size: in
             out["verifier_norm.weight"] = np.asarray(norm).astype(dtype)
     elif algo == "mtp":
         out.pop("verifier_lm_head.weight", None)
-    bad = [n for n in owned_tensors(algo) if needs(n)]
+    if not verifier_heads:
+        out.pop("verifier_lm_head.weight", None)
+        out.pop("verifier_norm.weight", None)
+    owned = [n for n in owned_tensors(algo) if verifier_heads or not n.startswith("verifier_")]
+    bad = [n for n in owned if needs(n)]
     if bad:
         what = ", ".join(f"{n} ({'absent' if n not in out else 'NaN'})" for n in bad)
         raise MissingVerifierWeightsError(
