@@ -133,8 +133,12 @@ def convert_external(src: str | os.PathLike, algorithm: str | None, verifier: st
     cfg = bridge.parse_config(plan.config, path=str(out / "config.json"))
     report = None
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        bridge.save_checkpoint(tmp, cfg, flat=plan.tensors, overwrite=True, metadata={"format": "pt"},
-                               max_shard_bytes=max_shard_bytes)
+        try:
+            bridge.save_checkpoint(tmp, cfg, flat=plan.tensors, overwrite=True, metadata={"format": "pt"},
+                                   max_shard_bytes=max_shard_bytes)
+        except bridge.TensorMismatchError as e:  # the contract check inside save: name the real destination
+            raise ExternalSourceError(f"the converted {kind} tensors do not match the config: "
+                                      f"{str(e).split(': ', 1)[-1]}", path=str(out), key=e.key) from e
         if audit:
             report = bridge.audit(tmp, verifier=Path(str(verifier)))
             if report.exit_code:

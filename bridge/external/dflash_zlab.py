@@ -118,6 +118,7 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
                                   path=cfg_path, key="hidden_size")
     notes: list[str] = []
     aux = opts["aux_hidden_state_layer_ids"]
+    tl, n = None, None
     if aux is None:
         tl = dflash.get("target_layer_ids")
         if tl is None:
@@ -151,11 +152,8 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
     getters = _split_fused(src, body, layer, A * H, notes)
     unexpected = sorted(k for k in getters if k not in exp)
     if unexpected:
-        hint = (f" (fc.weight is {list(src.shape('fc.weight'))}: z-lab's final-layer target id was dropped, so "
-                f"fc would take {A} x {H} inputs)" if "fc.weight" in getters and src.has("fc.weight")
-                and src.shape("fc.weight")[1] != A * H else "")
         raise ExternalSourceError(f"{len(unexpected)} source tensor(s) have no place in a DFlash draft with "
-                                  f"{layer['num_hidden_layers']} layer(s): {unexpected[:8]}{hint}",
+                                  f"{layer['num_hidden_layers']} layer(s): {unexpected[:8]}",
                                   path=src.weights, key=unexpected[0])
     missing = sorted(k for k, s in exp.items() if s.required and k not in getters and k not in VERIFIER_FILLED)
     if missing:
@@ -164,8 +162,13 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
     arrays = {k: g() for k, g in getters.items()}
     for k, a in arrays.items():
         if tuple(a.shape) != exp[k].shape:
+            why = f"from the source config, {A} aux ids x hidden {H}"
+            if k == "fc.weight" and opts["aux_hidden_state_layer_ids"] is None and len(aux) < len(tl):
+                why += (f"; the final-layer target id {n - 1} became aux id {n} and was dropped (speculators feeds "
+                        "the final layer separately), but fc still has its columns: speculators 0.9.0 cannot load "
+                        "this draft either (it slices fc only for fused-qkv sources)")
             raise ExternalSourceError(f"tensor {k!r} has shape {list(a.shape)}; expected {list(exp[k].shape)} "
-                                      f"(from the source config, {A} aux ids x hidden {H})", path=src.weights, key=k)
+                                      f"({why})", path=src.weights, key=k)
     if not arrays:
         raise ExternalSourceError("source has no DFlash body tensors", path=src.weights)
     dtype = arrays[next(iter(arrays))].dtype  # speculators: dtype of the first body tensor

@@ -140,6 +140,10 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
         for i in range(3):
             want[f"fc_norm.{i}.weight"] = (Ht,)
     require(src, want, shown=_source_name, kind="SafeAILab EAGLE-3")
+    if Vd != vocab and not reduce_vocab:
+        raise ExternalSourceError(f"draft_vocab_size {Vd} != verifier vocab_size {vocab} but the source has no t2d: "
+                                  "the pruned vocabulary cannot be mapped back to target ids (speculators would write "
+                                  "a draft without t2d/d2t)", path=src.weights, key="t2d")
     if (flags["norm_before_fc"] or flags["fc_norm"]):
         notes.append("kept the source's input_norm/fc_norm tensors (speculators 0.9.0's legacy converter module has "
                      "no such parameters and drops them)")
