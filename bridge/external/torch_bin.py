@@ -166,6 +166,8 @@ class TorchBinStore:
         n = int(np.prod(t.shape)) if t.shape else 1
         if n == 0:
             return np.zeros(t.shape, flat.dtype)
+        if not t.shape:
+            return np.array(flat[t.offset])
         last = t.offset + sum((d - 1) * s for d, s in zip(t.shape, t.stride))
         if last >= flat.size:
             raise TorchBinError(f"tensor {name!r} reaches past its storage", path=self.path, key=name)

@@ -181,7 +181,9 @@ def convert_cmd(
         res = bridge.convert_external(str(src), from_, verifier, dst, overwrite=overwrite, max_shard_bytes=shard,
                                       **given)
     except bridge.BridgeError as e:
-        fail(e, code=getattr(e, "exit_code", 2))
+        from rich.markup import escape  # audit rule names look like markup tags: [aux_ids.range]
+
+        fail(escape(str(e)), code=getattr(e, "exit_code", 2))
     if as_json:
         print(json.dumps(res.to_json(), indent=2))
         return
