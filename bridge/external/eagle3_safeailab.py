@@ -133,7 +133,7 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
     if reduce_vocab:
         want["d2t"] = (Vd,)
         want["t2d"] = (vocab,)
-    # deviation, see module docstring of bridge.external: keep the optional norms the flags need
+    # deviation (bridge/external/__init__.py): keep the optional norms the flags need
     if flags["norm_before_fc"]:
         want["input_norm.weight"] = (3 * Ht,)
     if flags["fc_norm"]:

@@ -6,6 +6,7 @@ sentinel that specjax leaves out (checked to be all NaN)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import bridge
 from tests.bridge.external import sources
@@ -25,9 +26,12 @@ EAGLE = {
     "fp32-weights-cast-to-bf16": ("llama", {"dtype": "bfloat16", "weights_dtype": "float32"}, {}),
     "no-torch_dtype-means-float32": ("llama", {"config_over": {"torch_dtype": None, "dtype": "bfloat16"},
                                                "weights_dtype": "bfloat16"}, {}),
-    "linear-rope-head_dim-extra-tensor": ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0},
-                                                    "config_over": {"head_dim": 8, "max_position_embeddings": 999},
-                                                    "extra": {}}, {"norm_before_residual": True}),
+    "linear-rope-head_dim-config-flag": ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0},
+                                                   "config_over": {"head_dim": 8, "max_position_embeddings": 999,
+                                                                   "norm_output": True}},
+                                         {"norm_before_residual": True}),
+    "extra-source-tensor-dropped": ("llama", {"extra": {"embed_layernorm.weight": torch.ones(32, dtype=torch.float16)}},
+                                    {}),
 }
 
 DFLASH = {
@@ -69,6 +73,7 @@ def test_same_checkpoint_as_speculators(kind, case, ext_root, verifiers, next_ve
     res = bridge.convert_external(src, {"eagle3": "eagle3-safeailab", "dflash": "dflash-zlab"}.get(kind, kind),
                                   v, tmp_path / "specjax", **opts)
     assert res.report is not None and res.report.exit_code == 0, res.report.to_json()
+    assert bridge.load_checkpoint(tmp_path / "specjax").algorithm == kind
     assert_same_checkpoint(tmp_path / "specjax", theirs,
                            nan_sentinels_in_theirs=("verifier_lm_head.weight",) if kind == "mtp" else ())
 
@@ -78,6 +83,11 @@ def test_case_details(ext_root, verifiers, next_verifier, tmp_path):
     src, v, o = build_case("eagle3", "no-torch_dtype-means-float32", ext_root, verifiers, next_verifier)
     r = bridge.convert_external(src, "eagle3-safeailab", v, tmp_path / "a", **o)
     assert r.config["dtype"] == "float32" and any("torch_dtype" in n for n in r.notes)
+    src, v, o = build_case("eagle3", "extra-source-tensor-dropped", ext_root, verifiers, next_verifier)
+    r = bridge.convert_external(src, "eagle3-safeailab", v, tmp_path / "d", **o)
+    assert any("embed_layernorm.weight" in n for n in r.notes) and "embed_layernorm.weight" not in r.tensors
+    src, v, o = build_case("eagle3", "linear-rope-head_dim-config-flag", ext_root, verifiers, next_verifier)
+    assert bridge.convert_external(src, "eagle3-safeailab", v, tmp_path / "e", **o).config["norm_output"] is True
     src, v, o = build_case("dflash", "laguna-fused-qkv-final-layer-dropped", ext_root, verifiers, next_verifier)
     r = bridge.convert_external(src, "dflash-zlab", v, tmp_path / "b", **o)
     assert r.options["aux_hidden_state_layer_ids"] == [1, 3]  # 5 + 1 == 6 layers: dropped
