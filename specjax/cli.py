@@ -26,6 +26,26 @@ COMMAND_MODULES = [
 for _mod in COMMAND_MODULES:
     importlib.import_module(_mod).register(app)
 
+DEMO_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences what a hash table is.",
+)
+
+
+@app.callback(invoke_without_command=True)
+def _default(ctx: typer.Context):
+    """With no subcommand, run on the embedded default model (SmolLM2-135M-Instruct)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from specjax.commands.common import console
+    from specjax.decode.generate import generate
+
+    c = console()
+    c.print("[bold]specjax[/bold] on the embedded default model (SmolLM2-135M-Instruct); "
+            "`specjax --help` lists the commands.")
+    for prompt, comp in zip(DEMO_PROMPTS, generate(list(DEMO_PROMPTS), target=None, chat=True, max_new_tokens=64)):
+        c.print(f"\n[cyan]> {prompt}[/cyan]\n{comp.text}")
+
 
 def main() -> None:  # pragma: no cover - console entry
     app()

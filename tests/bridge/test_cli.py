@@ -61,3 +61,10 @@ def test_convert_bad_source_message(tmp_path):
 def test_convert_bad_format(spec_ckpts, tmp_path):
     r = runner.invoke(app, ["convert", str(spec_ckpts["mtp-qwen3-f32"]), str(tmp_path / "y"), "--to", "gguf"])
     assert r.exit_code == 2 and "--to must be" in r.output
+
+
+def test_specjax_without_arguments_runs_the_default_model():
+    r = runner.invoke(app, [])
+    assert r.exit_code == 0, r.output
+    assert "SmolLM2-135M-Instruct" in r.output and "Fibonacci" in r.output
+    assert "def " in r.output  # the model answered the code prompt with code
