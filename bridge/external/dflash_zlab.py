@@ -33,7 +33,8 @@ from bridge.schema import parse_config
 KIND = "dflash-zlab"
 ALGORITHM = "dflash"
 OPTIONS = {
-    "aux_hidden_state_layer_ids": Option(**IDS, help="override the aux ids derived from dflash_config.target_layer_ids"),
+    "aux_hidden_state_layer_ids": Option(**IDS,
+                                         help="override the aux ids derived from dflash_config.target_layer_ids"),
 }
 NON_TRANSFORMER_KEYS = frozenset({"architectures", "auto_map", "block_size", "dflash_config", "num_target_layers"})
 VERIFIER_FILLED = frozenset({"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
@@ -70,7 +71,7 @@ def _split_fused(src: Source, body: list[str], layer: dict, fc_width: int, notes
             if rows != q + 2 * kv:
                 raise ExternalSourceError(f"fused {k!r} has {rows} rows; expected q {q} + k {kv} + v {kv} = "
                                           f"{q + 2 * kv}", path=src.weights, key=k)
-            for i, (p, lo, hi) in enumerate(zip(parts, (0, q, q + kv), (q, q + kv, q + 2 * kv))):
+            for p, lo, hi in zip(parts, (0, q, q + kv), (q, q + kv, q + 2 * kv)):
                 out[p] = lambda k=k, lo=lo, hi=hi: src.array(k)[lo:hi]
         elif ".g_proj." in k or k.startswith("aux_hidden_norms."):
             dropped.append(k)
@@ -123,7 +124,8 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
         tl = dflash.get("target_layer_ids")
         if tl is None:
             raise ExternalSourceError("no dflash_config.target_layer_ids; pass aux_hidden_state_layer_ids "
-                                      "(--aux-layer-ids) explicitly", path=cfg_path, key="dflash_config.target_layer_ids")
+                                      "(--aux-layer-ids) explicitly", path=cfg_path,
+                                      key="dflash_config.target_layer_ids")
         n = verifier.text_get("num_hidden_layers")
         if not isinstance(n, int):
             raise ExternalSourceError("verifier config has no num_hidden_layers (needed to drop the final layer "

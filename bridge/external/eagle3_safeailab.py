@@ -32,7 +32,8 @@ ALGORITHM = "eagle3"
 OPTIONS = {
     "norm_before_residual": Option(**BOOL, default=False,
                                    help="first layer's residual is the normed hidden (drafts trained by speculators)"),
-    "norm_before_fc": Option(**BOOL, default=False, help="RMSNorm over the concatenated aux states (OR-ed with config)"),
+    "norm_before_fc": Option(**BOOL, default=False,
+                             help="RMSNorm over the concatenated aux states (OR-ed with config)"),
     "fc_norm": Option(**BOOL, default=False, help="per-aux-layer RMSNorm, Eagle 3.1 (OR-ed with config)"),
     "norm_output": Option(**BOOL, default=False, help="feed post-norm hidden back across steps (OR-ed with config)"),
     "eagle_aux_hidden_state_layer_ids": Option(**IDS, help="verifier layers the draft reads (written to the config)"),
@@ -144,7 +145,7 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
         raise ExternalSourceError(f"draft_vocab_size {Vd} != verifier vocab_size {vocab} but the source has no t2d: "
                                   "the pruned vocabulary cannot be mapped back to target ids (speculators would write "
                                   "a draft without t2d/d2t)", path=src.weights, key="t2d")
-    if (flags["norm_before_fc"] or flags["fc_norm"]):
+    if flags["norm_before_fc"] or flags["fc_norm"]:
         notes.append("kept the source's input_norm/fc_norm tensors (speculators 0.9.0's legacy converter module has "
                      "no such parameters and drops them)")
 

@@ -40,7 +40,8 @@ OPTIONS = {"num_speculative_steps": Option(**POS_INT, default=3, help="tokens pr
 PREFIX = "mtp."
 # verifier families speculators 0.9.0 has an MTP layer for (models/mtp/model_definitions.py)
 SUPPORTED = ("qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")
-EXACT_REMAP = {"mtp.fc.weight": "mtp_layers.0.input_proj.weight", "mtp.norm.weight": "mtp_layers.0.final_layernorm.weight"}
+EXACT_REMAP = {"mtp.fc.weight": "mtp_layers.0.input_proj.weight",
+               "mtp.norm.weight": "mtp_layers.0.final_layernorm.weight"}
 PREFIX_REMAP = (("mtp.pre_fc_norm_hidden.", "mtp_layers.0.hidden_layernorm."),
                 ("mtp.pre_fc_norm_embedding.", "mtp_layers.0.token_layernorm."),
                 ("mtp.layers.0.", "mtp_layers.0."))

@@ -13,7 +13,6 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 

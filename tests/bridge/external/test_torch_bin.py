@@ -7,7 +7,6 @@ import io
 import pickle
 import zipfile
 
-import numpy as np
 import pytest
 import torch
 
