@@ -50,13 +50,19 @@ def atomic_dir(dest: str | os.PathLike, *, overwrite: bool = False):
         raise WriteError(f"cannot create a directory here: {e.strerror}", path=str(dest)) from e
     try:
         yield tmp
-        old = None
-        if dest.exists():
-            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+        replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_dir(complete: Path, dest: Path) -> None:
+    """Move a finished directory onto ``dest``; an old ``dest`` is moved aside first and
+    deleted only once the new one is in place."""
+    old = None
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+        os.replace(dest, old)
+    os.replace(complete, dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()

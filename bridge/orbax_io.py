@@ -10,7 +10,6 @@ Layout of the directory (one Orbax composite checkpoint):
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from bridge.atomic import replace_dir
 from bridge.errors import OrbaxFormatError, WriteError
 from bridge.schema import DraftConfig, parse_config
 
@@ -60,13 +60,7 @@ def save_orbax(out: str | Path, config: DraftConfig | dict, tree: Mapping, *, me
             config=ocp.args.JsonSave(cfg),
             specjax=ocp.args.JsonSave(extra),
         ))
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp_parent, ignore_errors=True)
     return out
