@@ -29,3 +29,49 @@ def spec_draft(spec_root, verifiers):
         return cache[key]
 
     return make
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def write_char_tokenizer(d, vocab_size: int = 96):
+    """A character-level tokenizer (tokenizer.json + tokenizer_config.json with a chat template)
+    over ids [0, vocab_size): 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, then printable characters."""
+    import json as _json
+    import string
+
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [c for c in string.printable if c not in "\x0b\x0c"][: vocab_size - 4]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<pad>", "<s>", "</s>", "<unk>")])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(_json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(spec_root, verifiers):
+    """The llama test verifier (6 layers, hidden 32, vocab 96) plus a char tokenizer with a chat template."""
+    import shutil
+
+    d = spec_root / "train-target-llama"
+    if not d.exists():
+        shutil.copytree(verifiers["llama"], d)
+        write_char_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_target_dir):
+    from specjax.models.loading import load_target
+
+    return load_target(str(tiny_target_dir), progress=False)

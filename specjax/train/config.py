@@ -1,0 +1,342 @@
+"""Training recipes: YAML validated by a typed schema (pydantic), with speculators 0.9.0's
+defaults and its derived per-algorithm defaults (``TrainConfig._resolve_derived_defaults``).
+
+A recipe has the sections of speculators' ``TrainConfig`` groups (``draft``, ``data``, ``loss``,
+``optimizer``, ``scheduler``, ``trainer``, ``dflash``) plus specjax's ``target`` and
+``data.prepare`` (how to build the data directory when it does not exist yet). Field names are
+speculators' flag names, so ``--set lr=3e-4`` works (a unique field name) as well as the dotted
+``--set optimizer.lr=3e-4``. Unknown keys and wrong types are errors naming the key and the
+accepted values.
+
+Derived defaults (when left unset / null):
+
+==========================  ===========  ===========
+field                       eagle3       dflash
+==========================  ===========  ===========
+draft.draft_arch            llama        qwen3
+draft.norm_before_fc        True         False
+draft.norm_output           True         False
+draft.num_layers            1            5
+loss.loss_fn                kl_div       ce
+dflash.per_position_...     -            dpace
+dflash.block_size           -            16
+dflash.sample_from_anchor   -            False
+optimizer.muon_lr           = lr         = lr
+==========================  ===========  ===========
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from specjax.train.errors import RecipeError
+from specjax.train.losses import parse_loss_spec
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
+
+
+class PrepareArgs(_Section):
+    """How ``data.path`` is built when it does not exist (``specjax data prepare`` settings)."""
+
+    prompts: str = Field("builtin:stdlib", description="builtin:<set>[:<n>] or a JSONL/JSON prompt file")
+    regenerate: bool = True
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seq_length: int = Field(2048, ge=2)
+    minimum_valid_tokens: int | None = None
+    batch_size: int = Field(32, ge=1)
+    max_prompt_tokens: int = Field(512, ge=1)
+    max_batch_tokens: int = Field(4096, ge=64)
+    seed: int = 0
+
+
+class DraftArgs(_Section):
+    num_layers: int | None = Field(None, ge=1)
+    draft_arch: Literal["llama", "qwen3"] | None = None
+    target_layer_ids: list[int] | None = None
+    draft_vocab_size: int | None = Field(None, ge=1)
+    mask_token_id: int | None = None
+    norm_before_residual: bool = True
+    embed_requires_grad: bool = False
+    norm_before_fc: bool | None = None
+    fc_norm: bool = False
+    norm_output: bool | None = None
+    sliding_window: int = Field(2048, ge=1)
+    full_attention_indices: list[int] = Field(default_factory=list)
+    sliding_window_non_causal: bool | None = None
+
+
+class DataArgs(_Section):
+    path: str = "runs/data"
+    prepare: PrepareArgs | None = None
+    total_seq_len: int = Field(8192, ge=8)
+    train_data_ratio: float = Field(0.9, gt=0.0, le=1.0)
+    hidden_states_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    max_anchors: int = Field(512, ge=1)
+
+
+class LossArgs(_Section):
+    loss_fn: str | None = None
+    ttt_steps: int = Field(3, ge=1)
+    ttt_step_loss_decay: float = 1.0
+
+
+class OptimizerArgs(_Section):
+    optimizer: Literal["adamw", "muon"] = "muon"
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    muon_lr: float | None = Field(None, gt=0.0)
+    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    muon_weight_decay: float = Field(0.1, ge=0.0)
+    muon_ns_steps: int = Field(5, ge=1, lt=100)
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    max_grad_norm: float = Field(1.0, gt=0.0)
+
+
+class SchedulerArgs(_Section):
+    scheduler_type: Literal["linear", "cosine", "none"] = "linear"
+    scheduler_warmup_steps: int | None = Field(None, ge=0)
+    scheduler_warmup_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    scheduler_total_steps: int | None = Field(None, ge=1)
+    scheduler_num_cosine_cycles: float = 0.5
+
+
+class TrainerArgs(_Section):
+    output_dir: str = "runs/train"
+    epochs: int = Field(20, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    checkpoint_every: int = Field(100, ge=1, description="steps between Orbax checkpoints (and one at the end)")
+    keep_checkpoints: int = Field(2, ge=1)
+    val_every: int | None = Field(None, ge=1, description="steps between validations (default: each epoch end)")
+    save_best: bool = True
+    log_every: int = Field(1, ge=1)
+    max_minutes: float | None = Field(None, gt=0.0, description="stop at a step boundary after this long")
+
+
+class DFlashArgs(_Section):
+    block_size: int | None = Field(None, ge=2)
+    sample_from_anchor: bool | None = None
+    dflash_decay_gamma: float = Field(4.0, gt=0.0)
+    per_position_loss_weight: Literal["fixed-exp-decay", "dpace"] | None = None
+    dpace_alpha: float = 0.5
+
+
+SECTIONS = {"draft": DraftArgs, "data": DataArgs, "loss": LossArgs, "optimizer": OptimizerArgs,
+            "scheduler": SchedulerArgs, "trainer": TrainerArgs, "dflash": DFlashArgs}
+# keys that only change outputs / logging: a resumed run may change them freely
+RESUME_SAFE = frozenset({"trainer.log_every", "trainer.keep_checkpoints", "trainer.checkpoint_every",
+                         "trainer.max_minutes", "trainer.output_dir", "data.prepare", "target"})
+
+
+class TrainConfig(_Section):
+    speculator_type: Literal["eagle3", "dflash"] = "eagle3"
+    seed: int = 42
+    target: str = Field("default", description="'default' (embedded SmolLM2), a .gguf, an HF dir or cached repo id")
+    verifier_name_or_path: str | None = Field(None, description="written into the exported config (default: target)")
+    draft: DraftArgs = Field(default_factory=DraftArgs)
+    data: DataArgs = Field(default_factory=DataArgs)
+    loss: LossArgs = Field(default_factory=LossArgs)
+    optimizer: OptimizerArgs = Field(default_factory=OptimizerArgs)
+    scheduler: SchedulerArgs = Field(default_factory=SchedulerArgs)
+    trainer: TrainerArgs = Field(default_factory=TrainerArgs)
+    dflash: DFlashArgs = Field(default_factory=DFlashArgs)
+
+    @model_validator(mode="after")
+    def _derived(self):
+        eagle = self.speculator_type == "eagle3"
+        dfl = self.speculator_type == "dflash"
+        d = self.draft
+        if d.draft_arch is None:
+            d.draft_arch = "llama" if eagle else "qwen3"
+        if d.norm_before_fc is None:
+            d.norm_before_fc = eagle
+        if d.norm_output is None:
+            d.norm_output = eagle
+        if d.sliding_window_non_causal is None:
+            d.sliding_window_non_causal = False
+        if d.num_layers is None:
+            d.num_layers = 5 if dfl else 1
+        if self.optimizer.muon_lr is None:
+            self.optimizer.muon_lr = self.optimizer.lr
+        f = self.dflash
+        if f.per_position_loss_weight is None:
+            f.per_position_loss_weight = "dpace" if dfl else "fixed-exp-decay"
+        if f.block_size is None:
+            f.block_size = 16 if dfl else 8
+        if f.sample_from_anchor is None:
+            f.sample_from_anchor = False
+        if self.loss.loss_fn is None:
+            self.loss.loss_fn = "ce" if dfl else "kl_div"
+        parse_loss_spec(self.loss.loss_fn)
+        if d.norm_before_fc and d.fc_norm:
+            raise ValueError("draft.norm_before_fc and draft.fc_norm are mutually exclusive")
+        if f.per_position_loss_weight == "dpace" and dfl:
+            if self.loss.loss_fn != "ce":
+                raise ValueError("dflash.per_position_loss_weight=dpace requires loss.loss_fn=ce")
+            if not 0.0 < f.dpace_alpha <= 1.0:
+                raise ValueError(f"dflash.dpace_alpha must be in (0, 1], got {f.dpace_alpha}")
+        if d.full_attention_indices and (min(d.full_attention_indices) < 0
+                                         or max(d.full_attention_indices) >= d.num_layers):
+            raise ValueError(f"draft.full_attention_indices {d.full_attention_indices} must be layer ids in "
+                             f"[0, {d.num_layers})")
+        return self
+
+    # -- identity for resume
+    def resume_key(self) -> dict:
+        """The settings a resumed run must share (everything but RESUME_SAFE keys)."""
+        flat = flatten(self.model_dump(mode="json"))
+        return {k: v for k, v in flat.items() if not any(k == s or k.startswith(s + ".") for s in RESUME_SAFE)}
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.resume_key(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k != "prepare":
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    m: Any = TrainConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        f = m.model_fields.get(part) if isinstance(m, type) and issubclass(m, BaseModel) else None
+        if f is None:
+            return None
+        ann = f.annotation
+        cands = [a for a in (get_args(ann) or (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not cands:
+            return None
+        m = cands[0]
+    return m
+
+
+def _accepted(loc: tuple) -> str:
+    model = _model_at(loc)
+    if model is None:
+        return ""
+    f = model.model_fields.get(loc[-1]) if isinstance(loc[-1], str) else None
+    if f is None:
+        return "accepted keys: " + ", ".join(model.model_fields)
+    ann = f.annotation
+    lits = [a for a in get_args(ann) if get_origin(a) is Literal] + ([ann] if get_origin(ann) is Literal else [])
+    if lits:
+        return "accepted values: " + ", ".join(repr(x) for lit in lits for x in get_args(lit))
+    args = [getattr(a, "__name__", str(a)) for a in (get_args(ann) or (ann,))]
+    return "expected " + " | ".join("null" if a == "NoneType" else a for a in args)
+
+
+def _format(e: ValidationError, where: str | None) -> RecipeError:
+    msgs, first = [], None
+    for x in e.errors()[:6]:
+        loc = tuple(x.get("loc", ()))
+        key = ".".join(str(p) for p in loc) or "<root>"
+        first = first or key
+        if x["type"] == "extra_forbidden":
+            msg = f"unknown key {key!r}; {_accepted(loc)}"
+        elif x["type"] == "value_error" and not loc:
+            msg = x["msg"].removeprefix("Value error, ")
+        else:
+            inp = x.get("input")
+            msg = f"{key}: {x['msg']} (found {inp!r}); {_accepted(loc)}".rstrip("; ")
+        msgs.append(msg)
+    return RecipeError("; ".join(msgs), path=where, key=first)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _parse_value(text: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _unique_fields() -> dict[str, str]:
+    where: dict[str, list[str]] = {}
+    for sec, model in SECTIONS.items():
+        for f in model.model_fields:
+            where.setdefault(f, []).append(sec)
+    return {f: secs[0] for f, secs in where.items() if len(secs) == 1}
+
+
+def apply_overrides(doc: dict, overrides: list[str]) -> dict:
+    """``key=value`` (YAML-parsed value); key dotted (``optimizer.lr``) or a unique field name (``lr``)."""
+    doc = json.loads(json.dumps(doc))
+    uniq = _unique_fields()
+    for ov in overrides:
+        if "=" not in ov:
+            raise RecipeError(f"--set {ov!r}: expected key=value", key=ov)
+        k, v = ov.split("=", 1)
+        k = k.strip()
+        parts = k.split(".")
+        if len(parts) == 1 and k not in TrainConfig.model_fields:
+            if k in uniq:
+                parts = [uniq[k], k]
+            elif k not in SECTIONS:
+                raise RecipeError(f"--set: unknown key {k!r}; accepted: dotted keys (e.g. optimizer.lr) or one of "
+                                  f"{sorted(set(TrainConfig.model_fields) | set(uniq))}", key=k)
+        node = doc
+        for p in parts[:-1]:
+            if node.get(p) is None:
+                node[p] = {}
+            if not isinstance(node[p], dict):
+                raise RecipeError(f"--set {k}: {p!r} is not a section", key=k)
+            node = node[p]
+        node[parts[-1]] = _parse_value(v)
+    return doc
+
+
+def load_recipe(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML recipe (or start from defaults), apply ``--set`` overrides, validate."""
+    doc: Any = {}
+    where = None
+    if path is not None:
+        p = Path(path)
+        where = str(p)
+        if not p.is_file():
+            raise RecipeError("recipe file does not exist", path=where)
+        try:
+            doc = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as e:
+            raise RecipeError(f"not valid YAML: {e}", path=where) from None
+        if not isinstance(doc, dict):
+            raise RecipeError(f"a recipe is a YAML mapping, found a {type(doc).__name__}", path=where)
+    doc = apply_overrides(doc, overrides or [])
+    try:
+        return TrainConfig.model_validate(doc)
+    except ValidationError as e:
+        raise _format(e, where) from None
+
+
+def config_from_dict(doc: dict) -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(doc)
+    except ValidationError as e:
+        raise _format(e, None) from None

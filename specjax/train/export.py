@@ -1,0 +1,210 @@
+"""Draft configs for a target, verifier-weight filling, and export of a trained draft as a
+speculators 0.9.0 checkpoint through ``bridge`` (every config key explicit).
+
+The draft decoder config follows speculators' ``create_transformer_layer_config``: geometry,
+``rms_norm_eps``, ``max_position_embeddings``, ``initializer_range`` and rope parameters from the
+target (``partial_rotary_factor`` dropped), ``num_layers`` and ``draft_arch`` from the recipe,
+every layer ``sliding_attention`` (window 2048) except ``full_attention_indices``.
+
+Saved tensors follow the 0.9.0 wheel's ``save_pretrained``: ``verifier_lm_head`` and
+``verifier_norm`` are never saved; DFlash also drops ``embed_tokens`` always and ``lm_head`` with a
+full vocabulary. Floats are written in ``export_dtype`` (bf16, as speculators' training
+checkpoints), ``t2d`` bool, ``d2t`` int64.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from bridge.layout import path_to_flat, to_torch
+
+SPECULATORS_VERSION = "0.9.0"
+TRANSFORMERS_VERSION = "5.19.0"
+ARCH = {"eagle3": "Eagle3DraftModel", "dflash": "DFlashDraftModel"}
+CONFIG_CLASS = {"eagle3": "Eagle3SpeculatorConfig", "dflash": "DFlashSpeculatorConfig"}
+KNOWN_VERIFIERS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def verifier_name(target, override: str | None = None) -> str:
+    """What goes into ``speculators_config.verifier.name_or_path``: the recipe's value, else the
+    hub id of a known embedded model, else the target's path."""
+    if override:
+        return override
+    src = str(getattr(target, "source", "") or "")
+    stem = Path(src).name.split(".")[0] if src else ""
+    if stem in KNOWN_VERIFIERS:
+        return KNOWN_VERIFIERS[stem]
+    return src
+
+
+def _rope_parameters(hf: dict) -> dict:
+    rp = hf.get("rope_parameters")
+    if isinstance(rp, dict):
+        if "rope_theta" not in rp:
+            sub = rp.get("sliding_attention") or rp.get("full_attention") or {}
+            rp = dict(sub) if isinstance(sub, dict) else {}
+            rp.setdefault("rope_type", "default")
+            rp.setdefault("rope_theta", 10000.0)
+        rp = dict(rp)
+    else:
+        rp = {"rope_theta": float(hf.get("rope_theta", 10000.0)), "rope_type": "default"}
+        sc = hf.get("rope_scaling")
+        if isinstance(sc, dict):
+            rp.update(sc)
+            rp["rope_type"] = sc.get("rope_type", sc.get("type", "default"))
+    rp.pop("type", None)
+    rp.pop("mrope_interleaved", None)
+    if "mrope_section" not in rp:
+        rp.pop("partial_rotary_factor", None)
+    return rp
+
+
+def draft_layer_config(target_cfg, *, draft_arch: str, num_layers: int, sliding_window: int,
+                       full_attention_indices=(), hidden_act: str = "silu") -> dict:
+    """``transformer_layer_config`` for a draft of ``target_cfg`` (a specjax ``TargetConfig``)."""
+    hf = target_cfg.to_hf_dict()
+    heads, kv, hd = target_cfg.num_attention_heads, target_cfg.num_key_value_heads, target_cfg.head_dim
+    H = target_cfg.hidden_size
+    if H % heads != 0 and H % hd == 0:
+        heads = H // hd
+        if heads % kv:
+            kv = heads
+    types = ["full_attention" if i in set(full_attention_indices) else "sliding_attention" for i in range(num_layers)]
+    eos = hf.get("eos_token_id", list(target_cfg.eos_token_ids) or None)
+    d = {
+        "architectures": ["LlamaForCausalLM" if draft_arch == "llama" else "Qwen3ForCausalLM"],
+        "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": hf.get("bos_token_id", target_cfg.bos_token_id), "eos_token_id": eos,
+        "pad_token_id": hf.get("pad_token_id", target_cfg.pad_token_id),
+        "dtype": "bfloat16", "head_dim": hd, "hidden_act": hidden_act, "hidden_size": H,
+        "initializer_range": float(hf.get("initializer_range", 0.02)),
+        "intermediate_size": int(target_cfg.intermediate_size), "layer_types": types,
+        "max_position_embeddings": int(target_cfg.max_position_embeddings), "model_type": draft_arch,
+        "num_attention_heads": heads, "num_hidden_layers": int(num_layers), "num_key_value_heads": kv,
+        "rms_norm_eps": float(target_cfg.rms_norm_eps), "rope_parameters": _rope_parameters(hf),
+        "sliding_window": int(sliding_window), "use_sliding_window": "sliding_attention" in types,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": int(target_cfg.vocab_size),
+    }
+    if draft_arch == "llama":
+        d["mlp_bias"] = False
+        d["pretraining_tp"] = 1
+    else:
+        d["max_window_layers"] = int(num_layers)
+    return d
+
+
+def speculators_config(algo: str, *, layer: dict, draft_vocab_size: int, aux_layer_ids, speculative_tokens: int,
+                       verifier: str, verifier_arch: str, **fields) -> dict:
+    """A complete speculators config.json object (every key explicit)."""
+    doc: dict[str, Any] = {
+        "architectures": [ARCH[algo]], "auto_map": {"": f"config.{CONFIG_CLASS[algo]}"},
+        "draft_vocab_size": int(draft_vocab_size), "dtype": "bfloat16",
+        "speculators_config": {
+            "algorithm": algo, "default_proposal_method": "greedy",
+            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                                  "speculative_tokens": int(speculative_tokens), "verifier_accept_k": 1}],
+            "verifier": {"architectures": [verifier_arch], "name_or_path": verifier},
+        },
+        "speculators_model_type": algo, "speculators_version": SPECULATORS_VERSION, "target_hidden_size": None,
+        "tie_word_embeddings": False, "transformer_layer_config": layer, "transformers_version": TRANSFORMERS_VERSION,
+    }
+    if algo == "eagle3":
+        doc.update(eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
+                   embed_requires_grad=bool(fields.get("embed_requires_grad", False)),
+                   fc_norm=bool(fields.get("fc_norm", False)), norm_before_fc=bool(fields.get("norm_before_fc", False)),
+                   norm_before_residual=bool(fields.get("norm_before_residual", True)),
+                   norm_output=bool(fields.get("norm_output", False)))
+    else:
+        doc.update(aux_hidden_state_layer_ids=list(aux_layer_ids), block_size=int(fields["block_size"]),
+                   mask_token_id=int(fields["mask_token_id"]),
+                   sample_from_anchor=bool(fields.get("sample_from_anchor", False)),
+                   sliding_window_non_causal=bool(fields.get("sliding_window_non_causal", False)))
+    return doc
+
+
+def model_flat(model) -> dict[str, np.ndarray]:
+    """Every param and vocab buffer of a draft module in PyTorch layout (numpy)."""
+    from specjax.models.drafts.common import VocabBuffer
+
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, VocabBuffer))):
+        val = var.get_value() if hasattr(var, "get_value") else var.value
+        if val is None:
+            continue
+        name, kind = path_to_flat(tuple(path))
+        out[name] = to_torch(kind, np.asarray(val))
+    return out
+
+
+def init_draft(config_doc: dict, target, *, seed: int, t2d=None, d2t=None):
+    """A freshly initialised draft (float32 master weights) with the verifier-owned tensors
+    (embed_tokens, lm_head, verifier_lm_head, verifier_norm) filled from ``target`` (a specjax
+    ``CausalLM``), as speculators' ``from_training_args`` does."""
+    import bridge
+    from specjax.models.drafts.load import build_draft, module_from_flat
+    from specjax.models.drafts.verifier_weights import VerifierSource, fill_verifier_weights
+
+    cfg = bridge.parse_config(config_doc)
+    model = build_draft(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.float32)
+    flat = model_flat(model)
+    for n in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"):
+        flat[n] = np.full(flat[n].shape, np.nan, np.float32)  # speculators' NaN sentinels
+    if cfg.vocab_pruned:
+        flat["t2d"], flat["d2t"] = np.asarray(t2d, bool), np.asarray(d2t, np.int64)
+    src = VerifierSource.of(target)
+    flat = fill_verifier_weights(cfg.speculators_model_type, flat, hidden_size=cfg.layer.hidden_size,
+                                 vocab_size=cfg.layer.vocab_size, draft_vocab_size=cfg.draft_vocab_size, source=src,
+                                 dtype=np.float32)
+    return cfg, module_from_flat(cfg, flat, dtype=jnp.float32, verifier_norm_unit_offset=src.gemma_style_norm
+                                 and cfg.speculators_model_type == "dflash")
+
+
+def saved_tensors(algo: str, flat: dict, *, full_vocab: bool) -> dict:
+    drop = {"verifier_lm_head.weight", "verifier_norm.weight"}
+    if algo in ("dflash", "dspark"):
+        drop.add("embed_tokens.weight")
+        if full_vocab:
+            drop.add("lm_head.weight")
+    return {k: v for k, v in flat.items() if k not in drop}
+
+
+def export_draft(out: str | os.PathLike, model, config_doc: dict, *, export_dtype: str = "bfloat16",
+                 overwrite: bool = True, audit: bool = True, metadata: dict | None = None) -> Path:
+    """Write ``model`` as a speculators checkpoint (atomic), then ``bridge.audit`` it."""
+    import bridge
+
+    algo = config_doc["speculators_model_type"]
+    flat = model_flat(model)
+    full = config_doc["draft_vocab_size"] == config_doc["transformer_layer_config"]["vocab_size"]
+    flat = saved_tensors(algo, flat, full_vocab=full)
+    dt = np.dtype(ml_dtypes.bfloat16) if export_dtype == "bfloat16" else np.dtype(export_dtype)
+    conv = {}
+    for k, v in flat.items():
+        if k == "t2d":
+            conv[k] = np.asarray(v, bool)
+        elif k == "d2t":
+            conv[k] = np.asarray(v, np.int64)
+        else:
+            conv[k] = np.asarray(v, np.float32).astype(dt)
+    doc = dict(config_doc)
+    doc["dtype"] = export_dtype
+    doc["transformer_layer_config"] = dict(doc["transformer_layer_config"], dtype=export_dtype)
+    cfg = bridge.parse_config(doc)
+    meta = {"format": "pt", **(metadata or {})}
+    path = bridge.save_checkpoint(out, cfg, flat=conv, overwrite=overwrite, explicit_config=True, metadata=meta,
+                                  progress=False)
+    if audit:
+        rep = bridge.audit(path)
+        if rep.errors:
+            from specjax.train.errors import TrainError
+
+            raise TrainError("the exported checkpoint fails the audit: " + "; ".join(
+                f"[{f.rule}] {f.message}" for f in rep.errors[:5]), path=str(path))
+    return Path(path)

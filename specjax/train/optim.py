@@ -1,0 +1,152 @@
+"""Optimizers and schedules as speculators 0.9.0 builds them (``train/optimizers.py``,
+``trainer.py``), in Optax.
+
+* ``adamw``: one AdamW (betas 0.9/0.999, eps 1e-8, decoupled decay) over every trainable param.
+* ``muon``: torch's ``Muon`` on trainable 2-D matrices with both dims > 1 whose names contain
+  none of ``embed_tokens, lm_head, codebook, markov_w1, markov_w2``; AdamW on the rest. Muon
+  here is torch 2.13's exactly: momentum buffer ``b = lerp(b, g, 1 - mu)``, Nesterov update
+  ``lerp(g, b, mu)``, 5 quintic Newton-Schulz steps in bf16 (coefficients 3.4445, -4.7750,
+  2.0315, Frobenius normalisation clamped at 1e-7), ``p *= 1 - lr * wd`` then
+  ``p -= lr * adjust * update`` with ``adjust = 0.2 * sqrt(max(A, B))`` (match_rms_adamw) or
+  ``sqrt(max(1, A / B))`` (original; ``A, B`` = torch's ``[out, in]``).
+* Gradients are clipped to global norm 1.0 first, as ``clip_grad_norm_`` (coefficient
+  ``max_norm / (norm + 1e-6)``, clamped to 1).
+* Schedules (per optimizer step, HF's): linear warm-up then linear decay to 0, or cosine with
+  ``num_cycles`` (0.5), or constant; total steps ``max_steps`` or ``epochs * steps_per_epoch``;
+  warm-up = explicit steps, else ratio * total, else 1 % of total.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+ADAMW_NAME_HINTS = ("embed_tokens", "lm_head", "codebook", "markov_w1", "markov_w2")
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def resolve_schedule_steps(*, total: int, warmup_steps: int | None, warmup_ratio: float | None) -> tuple[int, int]:
+    if warmup_steps is not None:
+        return int(warmup_steps), int(total)
+    if warmup_ratio is not None:
+        return int(total * warmup_ratio), int(total)
+    return int(total) // 100, int(total)
+
+
+def lr_lambda(kind: str, warmup: int, total: int, num_cycles: float = 0.5) -> Callable:
+    """HF ``get_{linear,cosine}_schedule_with_warmup`` multipliers as a jnp function of the step."""
+
+    def f(step):
+        step = jnp.asarray(step, jnp.float32)
+        if kind == "none":
+            return jnp.ones_like(step)
+        warm = step / max(1, warmup)
+        if kind == "linear":
+            after = jnp.maximum(0.0, (total - step) / max(1, total - warmup))
+        else:
+            prog = (step - warmup) / max(1, total - warmup)
+            after = jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(math.pi * num_cycles * 2.0 * prog)))
+        return jnp.where(step < warmup, warm, after)
+
+    return f
+
+
+def clip_like_torch(max_norm: float) -> optax.GradientTransformation:
+    def init(params):
+        return optax.EmptyState()
+
+    def update(updates, state, params=None):
+        norm = optax.global_norm(updates)
+        coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+        return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def _newton_schulz(g, steps: int, eps: float = 1e-7):
+    a, b, c = NS_COEFFS
+    x = g.astype(jnp.bfloat16)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / jnp.maximum(jnp.linalg.norm(x.astype(jnp.float32)), eps).astype(jnp.bfloat16)
+    for _ in range(steps):
+        gram = x @ x.T
+        upd = b * gram + c * (gram @ gram)
+        x = a * x + upd @ x
+    return x.T if tall else x
+
+
+class MuonState(NamedTuple):
+    count: jax.Array
+    momentum: optax.Updates
+
+
+def torch_muon(lr: Callable, *, momentum: float = 0.95, weight_decay: float = 0.1, ns_steps: int = 5,
+               adjust_lr_fn: str = "match_rms_adamw", nesterov: bool = True) -> optax.GradientTransformation:
+    """torch.optim.Muon on Flax kernels (``[in, out]`` = torch ``[out, in]`` transposed)."""
+
+    def init(params):
+        return MuonState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
+
+    def update(grads, state, params):
+        lr_t = lr(state.count)
+
+        def one(g, buf, p):
+            buf = buf + (g - buf) * (1.0 - momentum)
+            u = g + (buf - g) * momentum if nesterov else buf
+            o = _newton_schulz(u.T, ns_steps).T.astype(p.dtype)  # orthogonalise in torch orientation
+            A, B = p.shape[1], p.shape[0]  # torch [out, in]
+            adj = 0.2 * math.sqrt(max(A, B)) if adjust_lr_fn == "match_rms_adamw" else math.sqrt(max(1.0, A / B))
+            step = -(lr_t * weight_decay) * p - (lr_t * adj) * o
+            return step.astype(p.dtype), buf
+
+        gl, treedef = jax.tree_util.tree_flatten(grads)
+        bl = treedef.flatten_up_to(state.momentum)
+        pl = treedef.flatten_up_to(params)
+        res = [one(g, b, p) for g, b, p in zip(gl, bl, pl)]
+        upd = jax.tree_util.tree_unflatten(treedef, [r[0] for r in res])
+        mom = jax.tree_util.tree_unflatten(treedef, [r[1] for r in res])
+        return upd, MuonState(state.count + 1, mom)
+
+    return optax.GradientTransformation(init, update)
+
+
+def muon_label(path: tuple, shape) -> str:
+    name = ".".join(str(p) for p in path)
+    if len(shape) == 2 and min(shape) > 1 and not any(h in name for h in ADAMW_NAME_HINTS):
+        return "muon"
+    return "adamw"
+
+
+def labels_for(params) -> object:
+    """Pytree of "muon" / "adamw" labels with the structure of ``params``."""
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    treedef = jax.tree_util.tree_structure(params)
+    labs = []
+    for kp, leaf in paths:
+        parts = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in kp)
+        labs.append(muon_label(parts, leaf.shape))
+    return jax.tree_util.tree_unflatten(treedef, labs)
+
+
+def build_optimizer(params, *, optimizer: str, lr: float, weight_decay: float, muon_lr: float, muon_momentum: float,
+                    muon_weight_decay: float, muon_ns_steps: int, muon_adjust_lr_fn: str, scheduler_type: str,
+                    warmup: int, total: int, num_cycles: float = 0.5, max_grad_norm: float = 1.0):
+    """-> (optax transformation, {"adamw": lr_fn, "muon": lr_fn}) for the trainable ``params`` tree."""
+    mult = lr_lambda(scheduler_type, warmup, total, num_cycles)
+    adam_lr = lambda c: lr * mult(c)  # noqa: E731
+    muon_lr_fn = lambda c: muon_lr * mult(c)  # noqa: E731
+    adamw = optax.adamw(adam_lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    if optimizer == "adamw":
+        tx = optax.chain(clip_like_torch(max_grad_norm), adamw)
+        return tx, {"adamw": adam_lr}
+    labels = labels_for(params)
+    muon = torch_muon(muon_lr_fn, momentum=muon_momentum, weight_decay=muon_weight_decay, ns_steps=muon_ns_steps,
+                      adjust_lr_fn=muon_adjust_lr_fn)
+    tx = optax.chain(clip_like_torch(max_grad_norm), optax.multi_transform({"adamw": adamw, "muon": muon}, labels))
+    return tx, {"adamw": adam_lr, "muon": muon_lr_fn}

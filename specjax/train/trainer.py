@@ -1,0 +1,539 @@
+"""The trainer: one jitted step ``(params, opt_state, batch) -> (params, opt_state, metrics)``,
+Orbax checkpoints with exact resume, validation with best/last exports, JSONL metrics and a
+progress bar.
+
+Run directory (``trainer.output_dir``)::
+
+    run.yaml          the resolved recipe              resume.json   what a resume must share
+    metrics.jsonl     one JSON object per logged step (and per validation)
+    checkpoints/<step>/   Orbax: trainable params (f32), optimizer state, step
+    best/  last/      speculators checkpoints (lowest validation loss / end of training)
+    summary.json
+
+Precision: float32 master weights; the step casts params and inputs to ``compute_dtype``
+(bf16 by default, as speculators' autocast) and computes losses in float32.
+
+Exact resume: the data order is a function of (seed, epoch) (speculators' multipack order), the
+step's randomness (DFlash anchors) is ``fold_in(key(seed), step)``, and params / optimizer
+state are restored bit for bit, so a resumed run ends at the parameters of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from bridge.atomic import atomic_file
+from specjax.train.config import TrainConfig
+from specjax.train.errors import DatasetError, HiddenStateCacheError, ResumeError, TrainError
+from specjax.train.hidden_states import cache_layer_ids, default_aux_layer_ids, hs_path, read_hs, verify_cache
+from specjax.train.losses import parse_loss_spec
+from specjax.train.objectives import (
+    accept_estimate, dflash_objective, eagle3_objective, normalize_metrics, select_anchors,
+)
+from specjax.train.optim import build_optimizer, resolve_schedule_steps
+from specjax.train.packing import PREPROCESS, collate, multipack_batches
+
+TRACE_COUNT = {"train_step": 0, "eval_step": 0}
+FROZEN = ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm")
+
+
+def trainable_filter(path, _value) -> bool:
+    return not any(str(p) in FROZEN for p in path)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class TrainData:
+    """Rows of a data directory with their cached hidden states, packed per (seed, epoch)."""
+
+    def __init__(self, data_dir: str | os.PathLike, rows, indices, *, algo: str, num_aux: int, hidden_size: int,
+                 total_seq_len: int, seed: int):
+        self.dir = Path(data_dir)
+        self.rows = rows
+        self.indices = np.asarray(list(indices), np.int64)
+        self.algo = algo
+        self.num_aux = num_aux
+        self.hidden = hidden_size
+        self.T = total_seq_len
+        self.seed = seed
+        self._epochs: dict[int, list[np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        if epoch not in self._epochs:
+            lens = [len(self.rows.input_ids[i]) for i in self.indices]
+            self._epochs[epoch] = [self.indices[b] for b in
+                                   multipack_batches(lens, self.T, seed=self.seed, epoch=epoch)]
+        return self._epochs[epoch]
+
+    def sample(self, i: int) -> dict:
+        p = hs_path(self.dir, i)
+        rec = read_hs(p)
+        hs = rec.hidden_states
+        ids = self.rows.input_ids[i]
+        if hs.shape[0] != len(ids) or not np.array_equal(rec.token_ids, ids):
+            raise HiddenStateCacheError(f"token ids of hs_{i} do not match dataset row {i}", path=str(p),
+                                        key="token_ids")
+        T = hs.shape[0]
+        return {"hidden_states": hs[:, :-1].reshape(T, -1), "input_ids": np.asarray(ids, np.int64),
+                "verifier_last_hidden_states": hs[:, -1], "loss_mask": np.asarray(self.rows.loss_mask[i], np.int64),
+                "position_ids": np.arange(T, dtype=np.int64)}
+
+    def batch(self, idx: np.ndarray) -> dict:
+        return collate([self.sample(int(i)) for i in idx], self.T, hidden_size=self.hidden, num_aux=self.num_aux,
+                       preprocess=PREPROCESS[self.algo])
+
+
+class Prefetch:
+    """Builds the next packed rows on a background thread (numpy releases the GIL while copying)."""
+
+    def __init__(self, data: TrainData, items: list[tuple[int, np.ndarray]], depth: int = 2):
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.err = None
+
+        def run():
+            try:
+                for key, idx in items:
+                    self.q.put((key, data.batch(idx)))
+            except BaseException as e:  # surfaced in the consumer
+                self.err = e
+            self.q.put(None)
+
+        self.t = threading.Thread(target=run, daemon=True)
+        self.t.start()
+
+    def __iter__(self):
+        while True:
+            item = self.q.get()
+            if item is None:
+                if self.err is not None:
+                    raise self.err
+                return
+            yield item
+
+
+# ----------------------------------------------------------------------------- step
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+@dataclass
+class StepFns:
+    train_step: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics)
+    eval_step: Callable  # (params, batch) -> metrics
+
+
+def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig) -> StepFns:
+    algo = cfg.speculator_type
+    cdt = jnp.bfloat16 if cfg.trainer.compute_dtype == "bfloat16" else jnp.float32
+    spec = parse_loss_spec(cfg.loss.loss_fn)
+    S = cfg.loss.ttt_steps
+    f = cfg.dflash
+
+    def forward(params, frozen, batch):
+        model = nnx.merge(graphdef, _cast(params, cdt), _cast(frozen, cdt))
+        hs = batch["hidden_states"].astype(cdt)
+        y = batch["verifier_last_hidden_states"].astype(cdt)
+        if algo == "eagle3":
+            out = model(hs, batch["input_ids"], batch["document_ids"], batch["loss_mask"], batch["position_ids"], y,
+                        ttt_steps=S)
+            return eagle3_objective(out.logits, out.targets, batch["loss_mask"], loss_spec=spec,
+                                    ttt_step_loss_decay=cfg.loss.ttt_step_loss_decay)
+        anchors, valid = select_anchors(batch["rng"], batch["loss_mask"], cfg.data.max_anchors, f.block_size)
+        out = model(hs, batch["input_ids"], batch["loss_mask"], y, batch["document_ids"], batch["position_ids"],
+                    anchor_positions=anchors, anchor_valid=valid)
+        return dflash_objective(out.logits, out.targets, out.loss_mask, block_size=f.block_size, loss_spec=spec,
+                                per_position_loss_weight=f.per_position_loss_weight, gamma=f.dflash_decay_gamma,
+                                dpace_alpha=f.dpace_alpha, sample_from_anchor=f.sample_from_anchor)
+
+    @jax.jit
+    def _train(params, opt_state, batch, frozen):
+        TRACE_COUNT["train_step"] += 1
+        (loss, metrics), grads = jax.value_and_grad(forward, has_aux=True)(params, frozen, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = dict(metrics, grad_norm=(optax.global_norm(grads), jnp.ones((), jnp.float32)))
+        return params, opt_state, metrics
+
+    @jax.jit
+    def _eval(params, batch, frozen):
+        TRACE_COUNT["eval_step"] += 1
+        return forward(params, frozen, batch)[1]
+
+    return StepFns(lambda p, o, b: _train(p, o, b, frozen), lambda p, b: _eval(p, b, frozen))
+
+
+def device_batch(b: dict, rng=None) -> dict:
+    out = {k: jnp.asarray(v) for k, v in b.items()}
+    if rng is not None:
+        out["rng"] = rng
+    return out
+
+
+# ----------------------------------------------------------------------------- run
+
+
+class Run:
+    """Everything one ``specjax train`` needs, built before any long work starts."""
+
+    def __init__(self, cfg: TrainConfig, *, target=None, resume: bool = False, overwrite: bool = False,
+                 progress: bool = True, log: Callable[[str], None] | None = None):
+        self.cfg = cfg
+        self.log = log or (lambda s: None)
+        self.progress = progress
+        self.out = Path(cfg.trainer.output_dir)
+        self.resume = resume
+        self._check_output(resume, overwrite)
+        from specjax.models.loading import LoadedTarget, load_target
+
+        if target is None:
+            target = load_target(cfg.target, progress=progress)
+        elif not isinstance(target, LoadedTarget):
+            raise TrainError("target must be a LoadedTarget")
+        self.target = target
+        tc = target.config
+        algo = cfg.speculator_type
+        n = tc.num_hidden_layers
+        self.aux = list(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else default_aux_layer_ids(n)
+        self.layer_ids = cache_layer_ids(self.aux, n)
+        # ---- data
+        from specjax.train.pipeline import DataSpec, load_data_dir, prepare_data
+
+        ddir = Path(cfg.data.path)
+        if not (ddir / "state.json").is_file():
+            if cfg.data.prepare is None:
+                raise DatasetError("no tokenized dataset here; run `specjax data prepare` or give data.prepare in the "
+                                   "recipe", path=str(ddir))
+            p = cfg.data.prepare
+            spec = DataSpec(**p.model_dump(), aux_layer_ids=self.aux, hidden_states_dtype=cfg.data.hidden_states_dtype,
+                            draft_vocab_size=cfg.draft.draft_vocab_size)
+            self.log(f"preparing data in {ddir}")
+            prepare_data(ddir, spec, target, progress=progress, log=self.log)
+        rows, meta = load_data_dir(ddir)
+        self.data_meta = meta
+        if meta:
+            for k, want in (("hidden_size", tc.hidden_size), ("num_hidden_layers", n), ("vocab_size", tc.vocab_size)):
+                if k in meta and int(meta[k]) != int(want):
+                    raise HiddenStateCacheError(f"the data was made by a target with {k} {meta[k]}; this target has "
+                                                f"{want}", path=str(ddir), key=k)
+            if meta.get("layer_ids") and list(meta["layer_ids"]) != self.layer_ids:
+                raise HiddenStateCacheError(f"the cache holds layers {meta['layer_ids']}; the recipe needs "
+                                            f"{self.layer_ids} (draft.target_layer_ids + the final layer)",
+                                            path=str(ddir), key="layer_ids")
+        for i in range(len(rows)):
+            if int(rows.input_ids[i].max(initial=0)) >= tc.vocab_size:
+                raise DatasetError(f"row {i} has token id {int(rows.input_ids[i].max())} >= the target vocabulary "
+                                   f"({tc.vocab_size})", path=str(ddir), key="input_ids")
+        verify_cache(rows, ddir, aux_layer_ids=self.aux, num_layers=n, hidden_size=tc.hidden_size,
+                     sample=min(len(rows), 64))
+        from specjax.train.dataset import split_indices
+
+        tr, va = split_indices(len(rows), cfg.data.train_data_ratio)
+        if len(tr) == 0:
+            raise DatasetError(f"the train split is empty ({len(rows)} rows, train_data_ratio "
+                               f"{cfg.data.train_data_ratio})", path=str(ddir), key="train_data_ratio")
+        mk = dict(algo=algo, num_aux=len(self.aux), hidden_size=tc.hidden_size, total_seq_len=cfg.data.total_seq_len,
+                  seed=cfg.seed)
+        self.train_data = TrainData(ddir, rows, tr, **mk)
+        self.val_data = TrainData(ddir, rows, va, **mk) if len(va) else None
+        # ---- vocabulary
+        V = tc.vocab_size
+        Vd = cfg.draft.draft_vocab_size or V
+        if Vd > V:
+            raise TrainError(f"draft.draft_vocab_size {Vd} is larger than the target vocabulary ({V})",
+                             key="draft.draft_vocab_size")
+        self.t2d = self.d2t = None
+        if Vd != V:
+            from specjax.train.vocab import (
+                TOKEN_FREQ_NAME, build_vocab_mapping, load_token_freq, load_vocab_mapping, save_vocab_mapping,
+                token_frequencies,
+            )
+
+            got = load_vocab_mapping(ddir, Vd, V)
+            if got is None:
+                fp = ddir / TOKEN_FREQ_NAME
+                freq = load_token_freq(fp) if fp.is_file() else token_frequencies(rows)
+                got = build_vocab_mapping(freq, Vd, V)
+                save_vocab_mapping(ddir, *got)
+            self.d2t, self.t2d = got
+        # ---- draft
+        from specjax.train.export import draft_layer_config, speculators_config, verifier_name
+
+        d = cfg.draft
+        layer = draft_layer_config(tc, draft_arch=d.draft_arch, num_layers=d.num_layers, sliding_window=d.sliding_window,
+                                   full_attention_indices=d.full_attention_indices)
+        if algo == "eagle3":
+            extra = dict(norm_before_residual=d.norm_before_residual, norm_before_fc=d.norm_before_fc,
+                         fc_norm=d.fc_norm, norm_output=d.norm_output, embed_requires_grad=d.embed_requires_grad)
+            spec_tokens = cfg.loss.ttt_steps
+        else:
+            mask_id = d.mask_token_id
+            if mask_id is None:
+                mask_id = self._mask_token_id()
+            extra = dict(block_size=cfg.dflash.block_size, mask_token_id=mask_id,
+                         sample_from_anchor=cfg.dflash.sample_from_anchor,
+                         sliding_window_non_causal=d.sliding_window_non_causal)
+            spec_tokens = cfg.dflash.block_size if cfg.dflash.sample_from_anchor else cfg.dflash.block_size - 1
+        self.config_doc = speculators_config(algo, layer=layer, draft_vocab_size=Vd, aux_layer_ids=self.aux,
+                                             speculative_tokens=spec_tokens,
+                                             verifier=verifier_name(target, cfg.verifier_name_or_path),
+                                             verifier_arch=tc.architecture, **extra)
+        # ---- schedule
+        self.steps_per_epoch = len(self.train_data.epoch_batches(0))
+        if self.steps_per_epoch == 0:
+            raise DatasetError("no training batches (the train split is empty)", path=str(ddir))
+        planned = cfg.trainer.epochs * self.steps_per_epoch
+        self.total_steps = min(planned, cfg.trainer.max_steps) if cfg.trainer.max_steps else planned
+        sched_total = cfg.scheduler.scheduler_total_steps or (cfg.trainer.max_steps or planned)
+        self.warmup, self.sched_total = resolve_schedule_steps(total=sched_total,
+                                                               warmup_steps=cfg.scheduler.scheduler_warmup_steps,
+                                                               warmup_ratio=cfg.scheduler.scheduler_warmup_ratio)
+
+    def _mask_token_id(self) -> int:
+        """speculators' ``resolve_mask_token_id`` without adding tokens: tokenizer mask -> pad/eos/unk."""
+        tok = self.target.tokenizer
+        if tok is not None:
+            for name in ("<|MASK|>", "<mask>", "[MASK]"):
+                t = tok.token_to_id(name)
+                if t is not None:
+                    return int(t)
+            for t in (tok.pad_token_id, tok.eos_token_id, tok.token_to_id(tok.unk_token)):
+                if t is not None:
+                    return int(t)
+        if self.target.config.eos_token_ids:
+            return int(self.target.config.eos_token_ids[0])
+        raise TrainError("cannot resolve mask_token_id; set draft.mask_token_id", key="draft.mask_token_id")
+
+    def _check_output(self, resume: bool, overwrite: bool):
+        ck = self.out / "checkpoints"
+        has = ck.is_dir() and any(p.name.isdigit() for p in ck.iterdir())
+        if resume:
+            if not has:
+                raise ResumeError("--resume: no complete checkpoint in this run directory", path=str(ck))
+            rj = self.out / "resume.json"
+            if rj.is_file():
+                old = json.loads(rj.read_text(encoding="utf-8"))
+                new = self.cfg.resume_key()
+                changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+                if changed:
+                    detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
+                    raise ResumeError(f"the recipe changed in a way that breaks resumption ({detail}); resume with the "
+                                      "original recipe or start a new trainer.output_dir", path=str(rj), key=changed[0])
+        elif has or (self.out / "last").exists():
+            if not overwrite:
+                raise TrainError("trainer.output_dir already holds a run; pass --resume to continue it or --overwrite "
+                                 "to start over", path=str(self.out))
+            for sub in ("checkpoints", "best", "last", "metrics.jsonl", "summary.json", "resume.json"):
+                p = self.out / sub
+                if p.is_dir():
+                    shutil.rmtree(p)
+                elif p.exists():
+                    p.unlink()
+
+    # ------------------------------------------------------------------ state
+    def build_state(self):
+        from specjax.train.export import init_draft
+
+        cfg = self.cfg
+        self.draft_cfg, model = init_draft(self.config_doc, self.target.model, seed=cfg.seed, t2d=self.t2d,
+                                           d2t=self.d2t)
+        graphdef, params, frozen = nnx.split(model, nnx.All(nnx.Param, trainable_filter), ...)
+        self.graphdef, self.frozen = graphdef, frozen
+        o = cfg.optimizer
+        self.tx, self.lr_fns = build_optimizer(
+            params, optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay, muon_lr=o.muon_lr,
+            muon_momentum=o.muon_momentum, muon_weight_decay=o.muon_weight_decay, muon_ns_steps=o.muon_ns_steps,
+            muon_adjust_lr_fn=o.muon_adjust_lr_fn, scheduler_type=cfg.scheduler.scheduler_type, warmup=self.warmup,
+            total=self.sched_total, num_cycles=cfg.scheduler.scheduler_num_cosine_cycles, max_grad_norm=o.max_grad_norm)
+        opt_state = self.tx.init(params)
+        self.fns = make_step_fns(graphdef, frozen, self.tx, cfg)
+        return params, opt_state
+
+    def model_of(self, params):
+        return nnx.merge(self.graphdef, params, self.frozen)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _manager(self):
+        import orbax.checkpoint as ocp
+
+        opts = ocp.CheckpointManagerOptions(max_to_keep=self.cfg.trainer.keep_checkpoints, create=True,
+                                            enable_async_checkpointing=False)
+        return ocp.CheckpointManager((self.out / "checkpoints").absolute(), options=opts)
+
+    def save(self, mngr, step: int, params, opt_state, extra: dict):
+        import orbax.checkpoint as ocp
+
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+                                                meta=ocp.args.JsonSave(extra)), force=True)
+        mngr.wait_until_finished()
+
+    def restore(self, mngr, params, opt_state):
+        import orbax.checkpoint as ocp
+
+        step = mngr.latest_step()
+        if step is None:
+            raise ResumeError("no complete checkpoint to resume from", path=str(self.out / "checkpoints"))
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+        got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                         meta=ocp.args.JsonRestore()))
+        return step, got["state"]["params"], got["state"]["opt_state"], dict(got["meta"])
+
+    # ------------------------------------------------------------------ validation / export
+    def validate(self, params) -> dict | None:
+        if self.val_data is None:
+            return None
+        sums: dict = {}
+        for b in self.val_data.epoch_batches(0):
+            m = self.fns.eval_step(params, device_batch(self.val_data.batch(b), self._rng(-1)))
+            for k, (s, t) in jax.device_get(m).items():
+                a = sums.setdefault(k, [0.0, 0.0])
+                a[0] += float(s)
+                a[1] += float(t)
+        return normalize_metrics(sums)
+
+    def export(self, name: str, params, metadata: dict | None = None) -> Path:
+        from specjax.train.export import export_draft
+
+        return export_draft(self.out / name, self.model_of(params), self.config_doc, overwrite=True,
+                            metadata={k: str(v) for k, v in (metadata or {}).items()})
+
+    def _rng(self, step: int):
+        return jax.random.fold_in(jax.random.key(self.cfg.seed), step + 1)
+
+    # ------------------------------------------------------------------ loop
+    def schedule_items(self, start: int) -> list[tuple[int, np.ndarray, int, bool]]:
+        """(global step, row indices, epoch, last of its epoch) from ``start`` to the end."""
+        items, step, epoch = [], 0, 0
+        while step < self.total_steps and epoch < self.cfg.trainer.epochs:
+            bs = self.train_data.epoch_batches(epoch)
+            for k, b in enumerate(bs):
+                if step >= self.total_steps:
+                    break
+                if step >= start:
+                    items.append((step, b, epoch, k == len(bs) - 1 or step + 1 == self.total_steps))
+                step += 1
+            epoch += 1
+        return items
+
+    def train(self, *, stop_after: int | None = None) -> dict:
+        """Train (or resume) to the end. ``stop_after``: return after this many steps of this call
+        (tests: simulates a killed run; the last checkpoint is written at that point)."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        self.out.mkdir(parents=True, exist_ok=True)
+        params, opt_state = self.build_state()
+        mngr = self._manager()
+        start, best = 0, {"val_loss": None, "step": None}
+        if self.resume:
+            start, params, opt_state, meta = self.restore(mngr, params, opt_state)
+            best = meta.get("best", best)
+            self.log(f"resumed from step {start}")
+        with atomic_file(self.out / "run.yaml", text=True) as f:
+            f.write(cfg.to_yaml())
+        with atomic_file(self.out / "resume.json", text=True) as f:
+            f.write(json.dumps(cfg.resume_key(), indent=1, sort_keys=True))
+        items = self.schedule_items(start)
+        metrics_f = open(self.out / "metrics.jsonl", "a", encoding="utf-8")
+        bar = tqdm(total=self.total_steps, initial=start, unit="step", desc=f"train {cfg.speculator_type}",
+                   disable=not self.progress, dynamic_ncols=True)
+        S = cfg.loss.ttt_steps
+        step = start
+        last_val_epoch = None
+        tok_seen = 0
+        t0 = time.perf_counter()
+        done_here = 0
+        stopped = None
+        summary_metrics: dict = {}
+        val_every = cfg.trainer.val_every
+        for (gstep, b, epoch, end_of_epoch), (_, batch) in zip(
+                items, Prefetch(self.train_data, [(it[0], it[1]) for it in items])):
+            tok = int((batch["document_ids"] >= 0).sum())
+            params, opt_state, m = self.fns.train_step(params, opt_state, device_batch(batch, self._rng(gstep)))
+            step = gstep + 1
+            done_here += 1
+            tok_seen += tok
+            if step % cfg.trainer.log_every == 0 or step == self.total_steps:
+                mh = normalize_metrics(jax.device_get(m))
+                el = time.perf_counter() - t0
+                rec = {"step": step, "epoch": epoch, "tokens": tok,
+                       "lr": {k: float(fn(gstep)) for k, fn in self.lr_fns.items()},
+                       "tok_per_s": round(tok_seen / max(el, 1e-9), 1), **{k: round(v, 6) for k, v in mh.items()}}
+                if cfg.speculator_type == "eagle3":
+                    rec["accept_est"] = round(accept_estimate(mh, S), 4)
+                metrics_f.write(json.dumps(rec) + "\n")
+                metrics_f.flush()
+                summary_metrics = rec
+                post = {"loss": f"{mh['loss']:.3f}"}
+                if "accept_est" in rec:
+                    post["acc0"] = f"{mh.get('full_acc_0', 0):.2f}"
+                    post["tau~"] = f"{rec['accept_est']:.2f}"
+                elif "eal" in mh:
+                    post["eal"] = f"{mh['eal']:.2f}"
+                post["tok/s"] = f"{rec['tok_per_s']:.0f}"
+                bar.set_postfix(post)
+            bar.update(1)
+            do_val = (val_every and step % val_every == 0) or (not val_every and end_of_epoch)
+            if do_val and self.val_data is not None and last_val_epoch != step:
+                vm = self.validate(params)
+                last_val_epoch = step
+                vrec = {"split": "val", "step": step, "epoch": epoch, **{k: round(v, 6) for k, v in vm.items()}}
+                if cfg.speculator_type == "eagle3":
+                    vrec["accept_est"] = round(accept_estimate(vm, S), 4)
+                metrics_f.write(json.dumps(vrec) + "\n")
+                metrics_f.flush()
+                if cfg.trainer.save_best and (best["val_loss"] is None or vm["loss"] < best["val_loss"]):
+                    best = {"val_loss": vm["loss"], "step": step, "metrics": vrec}
+                    self.export("best", params, {"step": step, "val_loss": vm["loss"]})
+            timeout = cfg.trainer.max_minutes and (time.perf_counter() - t_start) / 60 >= cfg.trainer.max_minutes
+            killed = stop_after is not None and done_here >= stop_after
+            if step % cfg.trainer.checkpoint_every == 0 or step == self.total_steps or timeout or killed:
+                self.save(mngr, step, params, opt_state, {"step": step, "best": best, "fingerprint": cfg.fingerprint()})
+            if timeout:
+                stopped = "max_minutes"
+                break
+            if killed:
+                stopped = "stop_after"
+                break
+        bar.close()
+        metrics_f.close()
+        if step < self.total_steps and stopped is None:
+            stopped = "epochs"
+        summary = {"steps": step, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
+                   "stopped": stopped, "seconds": round(time.perf_counter() - t_start, 2),
+                   "train_seconds": round(time.perf_counter() - t0, 2), "tokens_seen": tok_seen,
+                   "compiles": dict(TRACE_COUNT), "best": best, "last_metrics": summary_metrics,
+                   "output_dir": str(self.out)}
+        if stopped != "stop_after":
+            summary["last"] = str(self.export("last", params, {"step": step}))
+            with atomic_file(self.out / "summary.json", text=True) as f:
+                f.write(json.dumps(summary, indent=2, default=str))
+        self.params, self.opt_state = params, opt_state
+        return summary
+
+
+def train(cfg: TrainConfig, *, target=None, resume: bool = False, overwrite: bool = False, progress: bool = True,
+          log: Callable[[str], None] | None = None) -> dict:
+    """Library entry point of ``specjax train``."""
+    return Run(cfg, target=target, resume=resume, overwrite=overwrite, progress=progress, log=log).train()
