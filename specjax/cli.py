@@ -21,6 +21,8 @@ app = typer.Typer(
 COMMAND_MODULES = [
     "specjax.commands.bridge_cmds",  # inspect, audit, convert
     "specjax.commands.generate",  # generate
+    "specjax.commands.train",  # train
+    "specjax.commands.data",  # data prepare / extract / vocab / prompts / inspect
 ]
 
 for _mod in COMMAND_MODULES:

@@ -1,0 +1,178 @@
+"""`specjax data ...`: build training data (prompts -> target rows -> hidden states -> vocab)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from specjax.commands.common import console, fail
+
+data_app = typer.Typer(help="Training data: prompts, target-regenerated rows, hidden-state caches, t2d/d2t.",
+                       no_args_is_help=True, add_completion=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(data_app, name="data")
+
+
+def _ids(text: Optional[str]) -> Optional[list[int]]:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: expected integers like '2,15,27'") from None
+
+
+def _log(msg: str) -> None:
+    console(stderr=True).print(msg, style="dim")
+
+
+@data_app.command("prepare")
+def prepare_cmd(
+    out: Path = typer.Option(..., "--out", "-o", help="data directory to create (or resume)"),
+    target: str = typer.Option("default", "--target", "-t", help="'default', a .gguf, an HF dir or a cached repo id"),
+    prompts: str = typer.Option("builtin:stdlib", "--prompts", "-p",
+                                help="builtin:<stdlib|eval-code|eval-prose>[:<n>] or a JSONL/JSON prompt file"),
+    regenerate: bool = typer.Option(True, "--regenerate/--no-regenerate",
+                                    help="let the target write the assistant turns (self-distillation)"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", min=0),
+    seq_length: int = typer.Option(2048, "--seq-length", min=2, help="rows are clipped to this many tokens"),
+    max_prompt_tokens: int = typer.Option(512, "--max-prompt-tokens", min=1),
+    aux_layer_ids: Optional[str] = typer.Option(None, "--aux-layer-ids", help="default [2, n//2, n-3]"),
+    draft_vocab_size: Optional[int] = typer.Option(None, "--draft-vocab-size", min=1,
+                                                   help="also write d2t-<N>.npy / t2d-<N>.npy"),
+    hs_dtype: str = typer.Option("bfloat16", "--hidden-states-dtype", help="bfloat16 | float32"),
+    batch_size: int = typer.Option(32, "--batch-size", min=1),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Prompts -> chat rows with assistant-only loss masks -> hidden states (speculators' layout)."""
+    from bridge.errors import BridgeError
+    from specjax.models.loading import load_target
+    from specjax.train.pipeline import DataSpec, prepare_data
+
+    try:
+        spec = DataSpec(prompts=prompts, regenerate=regenerate, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_p=top_p, top_k=top_k, seq_length=seq_length, aux_layer_ids=_ids(aux_layer_ids),
+                        hidden_states_dtype=hs_dtype, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
+                        draft_vocab_size=draft_vocab_size, seed=seed)
+        lt = load_target(target, progress=not as_json)
+        res = prepare_data(out, spec, lt, progress=not as_json, log=_log)
+    except (BridgeError, ValueError) as e:
+        fail(e, code=getattr(e, "exit_code", 2))
+    if as_json:
+        print(json.dumps(res, default=str))
+    else:
+        console().print(f"{res['rows']} rows, {res['tokens']} tokens ({res['supervised_tokens']} supervised) in "
+                        f"{res['seconds']}s -> {out}")
+
+
+@data_app.command("extract")
+def extract_cmd(
+    data: Path = typer.Option(..., "--data", "-d", help="a tokenized dataset directory (ours or speculators')"),
+    target: str = typer.Option("default", "--target", "-t"),
+    aux_layer_ids: Optional[str] = typer.Option(None, "--aux-layer-ids", help="default [2, n//2, n-3]"),
+    hs_dtype: str = typer.Option("bfloat16", "--hidden-states-dtype"),
+    max_batch_tokens: int = typer.Option(4096, "--max-batch-tokens", min=64),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Write hidden_states/hs_{i}.safetensors for every row that lacks one (resumable)."""
+    from bridge.errors import BridgeError
+    from specjax.models.loading import load_target
+    from specjax.train.dataset import read_rows
+    from specjax.train.hidden_states import default_aux_layer_ids, extract_hidden_states
+
+    try:
+        rows = read_rows(data)
+        lt = load_target(target, progress=not as_json)
+        aux = _ids(aux_layer_ids) or default_aux_layer_ids(lt.config.num_hidden_layers)
+        res = extract_hidden_states(lt.model, rows, data, aux_layer_ids=aux, dtype=hs_dtype,
+                                    max_batch_tokens=max_batch_tokens, progress=not as_json, target_name=lt.source,
+                                    log=_log)
+    except (BridgeError, ValueError) as e:
+        fail(e, code=getattr(e, "exit_code", 2))
+    print(json.dumps(res)) if as_json else console().print(
+        f"{res['written']} written, {res['skipped']} already cached, {res['tokens']} tokens in {res['seconds']}s")
+
+
+@data_app.command("vocab")
+def vocab_cmd(
+    data: Path = typer.Option(..., "--data", "-d"),
+    draft_vocab_size: int = typer.Option(..., "--draft-vocab-size", min=1),
+    target_vocab_size: Optional[int] = typer.Option(None, "--target-vocab-size", help="default: from --target"),
+    target: str = typer.Option("default", "--target", "-t"),
+):
+    """Token frequencies (token_freq.pt) and d2t-<N>.npy / t2d-<N>.npy, as speculators builds them."""
+    from bridge.errors import BridgeError
+    from specjax.train.dataset import read_rows
+    from specjax.train.vocab import (
+        TOKEN_FREQ_NAME, build_vocab_mapping, load_token_freq, save_token_freq, save_vocab_mapping, token_frequencies,
+    )
+
+    try:
+        fp = data / TOKEN_FREQ_NAME
+        if fp.is_file():
+            freq = load_token_freq(fp)
+        else:
+            freq = token_frequencies(read_rows(data))
+            save_token_freq(fp, freq)
+        if target_vocab_size is None:
+            from specjax.models.loading import load_target
+
+            target_vocab_size = load_target(target, progress=False).config.vocab_size
+        d2t, t2d = build_vocab_mapping(freq, draft_vocab_size, target_vocab_size)
+        pd, pt = save_vocab_mapping(data, d2t, t2d)
+    except (BridgeError, ValueError) as e:
+        fail(e, code=getattr(e, "exit_code", 2))
+    total = sum(freq.values())
+    kept = sum(freq.get(int(i), 0) for i in (t2d.nonzero()[0]))
+    console().print(f"{pd.name}, {pt.name}: {len(freq)} distinct supervised tokens; the draft vocabulary covers "
+                    f"{100 * kept / max(total, 1):.2f}% of supervised tokens")
+
+
+@data_app.command("prompts")
+def prompts_cmd(
+    name: str = typer.Argument("stdlib", help="stdlib | eval-code | eval-prose"),
+    out: Path = typer.Option(..., "--out", "-o", help="JSONL file to write ({\"prompt\": ...} per line)"),
+    n: Optional[int] = typer.Option(None, "--n", min=1),
+    seed: int = typer.Option(0, "--seed"),
+):
+    """Write a built-in prompt set (made from the Python standard library) as JSONL."""
+    from bridge.atomic import atomic_file
+    from specjax.train.errors import PromptFileError
+    from specjax.train.prompts import builtin_prompts
+
+    try:
+        convs = builtin_prompts(name, n, seed=seed)
+    except PromptFileError as e:
+        fail(e)
+    with atomic_file(out, text=True) as f:
+        for c in convs:
+            f.write(json.dumps({"prompt": c[0]["content"]}, ensure_ascii=False) + "\n")
+    console().print(f"{len(convs)} prompts -> {out}")
+
+
+@data_app.command("inspect")
+def inspect_cmd(data: Path = typer.Argument(..., help="a data directory")):
+    """Rows, tokens, layer set and completeness of a data directory."""
+    from bridge.errors import BridgeError
+    from specjax.train.dataset import read_meta, read_rows
+    from specjax.train.hidden_states import hs_path, is_complete
+
+    try:
+        rows = read_rows(data)
+    except BridgeError as e:
+        fail(e)
+    meta = read_meta(data)
+    cached = sum(is_complete(hs_path(data, i)) for i in range(len(rows)))
+    print(json.dumps({"rows": len(rows), "tokens": int(rows.lengths.sum()),
+                      "supervised_tokens": rows.supervised_tokens(), "hidden_states_cached": cached,
+                      **{k: meta[k] for k in ("target", "layer_ids", "hidden_states_dtype", "complete") if k in meta}},
+                     indent=2))
