@@ -6,6 +6,8 @@ Layers (each reusable by the speculative loop):
   returning the logits at each prompt's last token (and any tapped hidden states).
 * :class:`DecodeState` - the loop carry: output buffer, per-sequence counts/limits/done flags,
   the last emitted token, the cache, the PRNG key.
+* :func:`start` - prefill, then sample and emit the first token (the state both loops start from).
+* :func:`prepare` - host side: validate, right-pad and bucket token-id prompts, per-sequence limits.
 * :func:`emit` - append a ragged number of new tokens per sequence (k+1 for a speculative step,
   1 here) with EOS / length stopping; tokens past a stop are discarded.
 * :func:`generate_ids` - host entry: pads and buckets shapes, runs the jitted
@@ -87,17 +89,26 @@ def emit(state: DecodeState, new_tokens, counts, eos_ids, pad_id: int) -> Decode
                           last=last.astype(jnp.int32))
 
 
-def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int,
-                   max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype):
+def start(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int, max_len: int,
+          sampling: SamplingParams, pad_id: int, cache_dtype, tap_ids: Sequence[int] = ()):
+    """Prefill into a fresh cache, sample and emit the first token. Returns ``(DecodeState, aux)``
+    (aux: the prompt rows' tapped hidden states, for a draft)."""
     B = prompt_ids.shape[0]
     cache = KVCache.init(model.config, B, max_len, cache_dtype)
-    logits, cache, _ = prefill(model, prompt_ids, prompt_lens, cache)
+    logits, cache, aux = prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, sampling)
     st = DecodeState(step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
                      num_tokens=jnp.zeros((B,), jnp.int32), limit=limits.astype(jnp.int32),
                      done=limits <= 0, eos_hit=jnp.zeros((B,), bool), last=first, cache=cache, key=key)
-    st = emit(st, first[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id)
+    return emit(st, first[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id), aux
+
+
+def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int,
+                   max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype):
+    B = prompt_ids.shape[0]
+    st, _ = start(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
+                  max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype)
 
     def cond(s: DecodeState):
         return (s.step < max_new_tokens - 1) & ~jnp.all(s.done)
@@ -139,18 +150,26 @@ def _split(model: CausalLM):
     return graphdef, params
 
 
-def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
-                 sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
-                 pad_id: int | None = None, context_length: int | None = None,
-                 prompt_bucket: int = 32) -> GenerationResult:
-    """Generate continuations of token-id prompts (a batch, ragged lengths allowed).
+@dataclass(frozen=True)
+class Batch:
+    """Host-side prepared prompts: right-padded ids, lengths, per-sequence token limits."""
 
-    Each sequence stops at the first token in ``eos_token_ids`` (default: the config's; ``[]``
-    disables EOS) or after ``max_new_tokens``, or when it reaches ``context_length`` (default
-    the config's ``max_position_embeddings``). Prompts are right-padded to a multiple of
-    ``prompt_bucket`` so nearby lengths share one compiled program.
-    """
-    cfg = model.config
+    ids: np.ndarray  # int32 [B, P]
+    lens: np.ndarray  # int32 [B]
+    limits: np.ndarray  # int32 [B]
+    eos: tuple  # EOS ids
+    pad: int
+    context_length: int
+
+    @property
+    def padded_len(self) -> int:
+        return int(self.ids.shape[1])
+
+
+def prepare(config, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Sequence[int] | None = None,
+            pad_id: int | None = None, context_length: int | None = None, prompt_bucket: int = 32) -> Batch:
+    """Validate and pad token-id prompts for the jitted loops (shared with speculative decoding)."""
+    cfg = config
     if not prompts:
         raise ValueError("no prompts given")
     if max_new_tokens < 1:
@@ -163,23 +182,43 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
         if n >= ctx:
             raise ContextLengthError(f"prompt {i} has {n} tokens; the context length is {ctx}, so at most {ctx - 1} "
                                      f"prompt tokens leave room to generate", key="prompt")
-    eos = list(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    pad = int(pad_id if pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else (eos or [0])[0]))
+    eos = tuple(int(t) for t in (cfg.eos_token_ids if eos_token_ids is None else eos_token_ids))
+    pad = int(pad_id if pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else (eos or (0,))[0]))
     P = min(bucket(max(lens), prompt_bucket), ctx)
-    max_len = min(P + max_new_tokens, max(ctx, P))
     ids = np.full((len(prompts), P), pad, np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = np.asarray(p, np.int32)
     limits = np.asarray([min(max_new_tokens, ctx - n) for n in lens], np.int32)
+    return Batch(ids, np.asarray(lens, np.int32), limits, eos, pad, ctx)
+
+
+def cache_dtype_of(model: CausalLM):
+    return jnp.dtype(model.model.embed_tokens.embedding[...].dtype)
+
+
+def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
+                 sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
+                 pad_id: int | None = None, context_length: int | None = None,
+                 prompt_bucket: int = 32) -> GenerationResult:
+    """Generate continuations of token-id prompts (a batch, ragged lengths allowed).
+
+    Each sequence stops at the first token in ``eos_token_ids`` (default: the config's; ``[]``
+    disables EOS) or after ``max_new_tokens``, or when it reaches ``context_length`` (default
+    the config's ``max_position_embeddings``). Prompts are right-padded to a multiple of
+    ``prompt_bucket`` so nearby lengths share one compiled program.
+    """
+    b = prepare(model.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
+                context_length=context_length, prompt_bucket=prompt_bucket)
+    P = b.padded_len
+    max_len = min(P + max_new_tokens, max(b.context_length, P))
     graphdef, params = _split(model)
-    cache_dtype = jnp.dtype(model.model.embed_tokens.embedding[...].dtype)
-    toks, num, eos_hit = _generate_jit(graphdef, params, jnp.asarray(ids), jnp.asarray(lens, jnp.int32),
-                                       jnp.asarray(limits), jax.random.key(seed), jnp.asarray(eos, jnp.int32),
+    toks, num, eos_hit = _generate_jit(graphdef, params, jnp.asarray(b.ids), jnp.asarray(b.lens),
+                                       jnp.asarray(b.limits), jax.random.key(seed), jnp.asarray(b.eos, jnp.int32),
                                        max_new_tokens=int(max_new_tokens), max_len=int(max_len), sampling=sampling,
-                                       pad_id=pad, cache_dtype=cache_dtype)
+                                       pad_id=b.pad, cache_dtype=cache_dtype_of(model))
     toks, num, eos_hit = np.asarray(toks), np.asarray(num), np.asarray(eos_hit)
     return GenerationResult(tokens=[toks[i, : num[i]].tolist() for i in range(len(prompts))],
-                            stop_reasons=["eos" if e else "length" for e in eos_hit], prompt_lengths=lens)
+                            stop_reasons=["eos" if e else "length" for e in eos_hit], prompt_lengths=b.lens.tolist())
 
 
 # ----------------------------------------------------------------------------- public API
@@ -222,11 +261,23 @@ def generate(prompts, *, target=None, chat: bool = False, max_new_tokens: int = 
     """
     lt = _get_target(target, dtype, cache_dir)
     tok = lt.tokenizer
+    ids = encode_prompts(lt, prompts, chat=chat)
+    eos = lt.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
+    res = generate_ids(lt.model, ids, max_new_tokens=max_new_tokens,
+                       sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
+                       eos_token_ids=eos, pad_id=pad)
+    return completions(lt, ids, res)
+
+
+def encode_prompts(lt, prompts, *, chat: bool = False) -> list[list[int]]:
+    """A string, a list of strings or a list of token-id lists -> token-id lists (chat=True renders
+    each string as one user message through the chat template)."""
+    tok = lt.tokenizer
     if isinstance(prompts, str):
         prompts = [prompts]
-    prompts = list(prompts)
     ids: list[list[int]] = []
-    for p in prompts:
+    for p in list(prompts):
         if isinstance(p, str):
             if tok is None:
                 raise ValueError(f"target {lt.source} has no tokenizer (no tokenizer.json, or a GGUF without one); "
@@ -238,13 +289,10 @@ def generate(prompts, *, target=None, chat: bool = False, max_new_tokens: int = 
                 ids.append(tok.encode(p))
         else:
             ids.append([int(t) for t in p])
-    eos = lt.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
-    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
-    res = generate_ids(lt.model, ids, max_new_tokens=max_new_tokens,
-                       sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
-                       eos_token_ids=eos, pad_id=pad)
-    out = []
-    for p, t, r in zip(ids, res.tokens, res.stop_reasons):
-        out.append(Completion(text=None if tok is None else tok.decode(t, skip_special_tokens=True), token_ids=t,
-                              prompt_token_ids=p, stop_reason=r))
-    return out
+    return ids
+
+
+def completions(lt, ids, res: GenerationResult) -> list[Completion]:
+    tok = lt.tokenizer
+    return [Completion(text=None if tok is None else tok.decode(t, skip_special_tokens=True), token_ids=t,
+                       prompt_token_ids=p, stop_reason=r) for p, t, r in zip(ids, res.tokens, res.stop_reasons)]
