@@ -95,14 +95,18 @@ def audit_cmd(
     if as_json:
         print(json.dumps(rep.to_json(), indent=2))
         raise typer.Exit(rep.exit_code)
+    from rich.markup import escape
+
     c = console()
     if rep.unreadable:
-        c.print(f"[red]unreadable[/red]: {rep.unreadable}")
+        c.print(f"[red]unreadable[/red]: {escape(rep.unreadable)}")
         raise typer.Exit(2)
+    from rich.markup import escape
+
     for f in rep.errors:
-        c.print(f"[red]error[/red]   [{f.rule}] {f.message}")
+        c.print(f"[red]error[/red]   {escape(f'[{f.rule}]')} {escape(f.message)}")
     for f in rep.warnings:
-        c.print(f"[yellow]warning[/yellow] [{f.rule}] {f.message}")
+        c.print(f"[yellow]warning[/yellow] {escape(f'[{f.rule}]')} {escape(f.message)}")
     verdict = "[red]FAIL[/red]" if rep.errors else "[green]OK[/green]"
     c.print(f"{verdict} {ckpt} ({rep.algorithm}): {len(rep.errors)} error(s), {len(rep.warnings)} warning(s)")
     raise typer.Exit(rep.exit_code)

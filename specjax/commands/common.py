@@ -16,7 +16,9 @@ def console(stderr: bool = False):
 
 def fail(err: BaseException, code: int = 2):
     """Print an error message (never a traceback) and exit."""
-    console(stderr=True).print(f"[red]error:[/red] {err}", markup=True)
+    from rich.markup import escape
+
+    console(stderr=True).print(f"[red]error:[/red] {escape(str(err))}", markup=True)
     raise typer.Exit(code)
 
 

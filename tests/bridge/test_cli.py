@@ -68,3 +68,8 @@ def test_specjax_without_arguments_runs_the_default_model():
     assert r.exit_code == 0, r.output
     assert "SmolLM2-135M-Instruct" in r.output and "Fibonacci" in r.output
     assert "def " in r.output  # the model answered the code prompt with code
+
+
+def test_audit_prints_rule_names_literally(tmp_path):
+    r = runner.invoke(app, ["audit", str(gemma4_31b_dflash(tmp_path))])
+    assert "[dflash.speculative_tokens]" in r.output and "[verifier.binding]" in r.output
