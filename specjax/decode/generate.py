@@ -90,12 +90,14 @@ def emit(state: DecodeState, new_tokens, counts, eos_ids, pad_id: int) -> Decode
 
 
 def start(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int, max_len: int,
-          sampling: SamplingParams, pad_id: int, cache_dtype, tap_ids: Sequence[int] = ()):
+          sampling: SamplingParams, pad_id: int, cache_dtype, tap_ids: Sequence[int] = (), mesh=None):
     """Prefill into a fresh cache, sample and emit the first token. Returns ``(DecodeState, aux)``
-    (aux: the prompt rows' tapped hidden states, for a draft)."""
+    (aux: the prompt rows' tapped hidden states, for a draft). ``mesh``: pin the KV cache to
+    ``specjax.sharding.kv_cache_sharding`` (batch on data/fsdp, heads on tensor)."""
     B = prompt_ids.shape[0]
-    cache = KVCache.init(model.config, B, max_len, cache_dtype)
+    cache = _pin(KVCache.init(model.config, B, max_len, cache_dtype), mesh)
     logits, cache, aux = prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids)
+    cache = _pin(cache, mesh)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, sampling)
     st = DecodeState(step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
@@ -104,11 +106,19 @@ def start(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max
     return emit(st, first[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id), aux
 
 
+def _pin(cache, mesh):
+    if mesh is None:
+        return cache
+    from specjax.sharding import constrain_cache
+
+    return constrain_cache(cache, mesh)
+
+
 def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int,
-                   max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype):
+                   max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype, mesh=None):
     B = prompt_ids.shape[0]
     st, _ = start(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
-                  max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype)
+                  max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh)
 
     def cond(s: DecodeState):
         return (s.step < max_new_tokens - 1) & ~jnp.all(s.done)
@@ -117,7 +127,7 @@ def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_id
         out = model(s.last[:, None], cache=s.cache, logits_at=jnp.zeros((B,), jnp.int32))
         k, sub = jax.random.split(s.key)
         nxt = sample(sub, out.logits, sampling)
-        s = s._replace(step=s.step + 1, cache=out.cache, key=k)
+        s = s._replace(step=s.step + 1, cache=_pin(out.cache, mesh), key=k)
         return emit(s, nxt[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id)
 
     st = jax.lax.while_loop(cond, body, st)
@@ -132,6 +142,61 @@ def _generate_jit(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_id
     model = nnx.merge(graphdef, params)
     return _generate_core(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
                           max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype)
+
+
+_SHARDED_JITS: dict = {}
+_STATIC = ("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id", "cache_dtype")
+
+
+def sharded_generate_fn(mesh, params):
+    """The generate loop jitted for ``mesh`` with explicit shardings: params in their own
+    shardings, prompts / lengths / limits split by batch over ``("data", "fsdp")``, PRNG key data
+    and EOS ids replicated, outputs (tokens, counts, eos flags) replicated so every process can
+    read them; the KV cache is pinned inside (batch on data/fsdp, heads on tensor). Cached per
+    (mesh, param shardings)."""
+    from specjax import sharding as shd
+
+    p_sh = shd.shardings_of(params)
+    key = (mesh, jax.tree.structure(params), tuple(jax.tree.leaves(p_sh)))
+    fn = _SHARDED_JITS.get(key)
+    if fn is None:
+        def run(params, prompt_ids, prompt_lens, limits, key_data, eos_ids, graphdef, max_new_tokens, max_len,
+                sampling, pad_id, cache_dtype):
+            TRACE_COUNT["generate"] += 1
+            model = nnx.merge(graphdef, params)
+            return _generate_core(model, prompt_ids, prompt_lens, limits, jax.random.wrap_key_data(key_data), eos_ids,
+                                  max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling, pad_id=pad_id,
+                                  cache_dtype=cache_dtype, mesh=mesh)
+
+        b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
+        fn = jax.jit(run, static_argnums=tuple(range(6, 6 + len(_STATIC))), in_shardings=(p_sh, b2, b1, b1, rep, rep),
+                     out_shardings=(rep, rep, rep))
+        _SHARDED_JITS[key] = fn
+    return fn
+
+
+def _generate_sharded(mesh, graphdef, params, b: "Batch", *, seed: int, max_new_tokens: int, max_len: int,
+                      sampling: SamplingParams, cache_dtype):
+    """Pad the batch to a multiple of data x fsdp (extra rows: limit 0, done at once), run the
+    sharded loop, return the real rows. Multi-process: every process calls this with the same
+    prompts and gets the same result."""
+    from specjax import sharding as shd
+
+    B = b.ids.shape[0]
+    Bp = shd.pad_batch(B, mesh)
+    ids = np.full((Bp, b.ids.shape[1]), b.pad, np.int32)
+    ids[:B] = b.ids
+    lens = np.ones((Bp,), np.int32)
+    lens[:B] = b.lens
+    limits = np.zeros((Bp,), np.int32)
+    limits[:B] = b.limits
+    fn = sharded_generate_fn(mesh, params)
+    b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
+    key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
+    toks, num, eos_hit = fn(params, shd.put(ids, b2), shd.put(lens, b1), shd.put(limits, b1), shd.put(key_data, rep),
+                            shd.put(np.asarray(b.eos, np.int32), rep), graphdef, int(max_new_tokens), int(max_len),
+                            sampling, b.pad, cache_dtype)  # static, in _STATIC order
+    return np.asarray(toks)[:B], np.asarray(num)[:B], np.asarray(eos_hit)[:B]
 
 
 @dataclass
@@ -193,25 +258,39 @@ def prepare(config, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eo
 
 
 def cache_dtype_of(model: CausalLM):
-    return jnp.dtype(model.model.embed_tokens.embedding[...].dtype)
+    return jnp.dtype(model.model.embed_tokens.embedding.get_value().dtype)
 
 
 def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
                  sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
                  pad_id: int | None = None, context_length: int | None = None,
-                 prompt_bucket: int = 32) -> GenerationResult:
+                 prompt_bucket: int = 32, mesh=None) -> GenerationResult:
     """Generate continuations of token-id prompts (a batch, ragged lengths allowed).
 
     Each sequence stops at the first token in ``eos_token_ids`` (default: the config's; ``[]``
     disables EOS) or after ``max_new_tokens``, or when it reaches ``context_length`` (default
     the config's ``max_position_embeddings``). Prompts are right-padded to a multiple of
     ``prompt_bucket`` so nearby lengths share one compiled program.
+
+    Sharded: when the model's params live on a multi-device mesh (``specjax.sharding.load_target``
+    / ``shard_params``), or ``mesh`` is given, the loop runs under :func:`sharded_generate_fn`
+    (explicit in/out shardings; the batch is padded to a multiple of data x fsdp).
     """
     b = prepare(model.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
                 context_length=context_length, prompt_bucket=prompt_bucket)
     P = b.padded_len
     max_len = min(P + max_new_tokens, max(b.context_length, P))
     graphdef, params = _split(model)
+    if mesh is None:
+        from specjax.sharding import mesh_of
+
+        mesh = mesh_of(params)
+    if mesh is not None and mesh.size > 1:
+        toks, num, eos_hit = _generate_sharded(mesh, graphdef, params, b, seed=seed, max_new_tokens=max_new_tokens,
+                                               max_len=max_len, sampling=sampling, cache_dtype=cache_dtype_of(model))
+        return GenerationResult(tokens=[toks[i, : num[i]].tolist() for i in range(len(prompts))],
+                                stop_reasons=["eos" if e else "length" for e in eos_hit],
+                                prompt_lengths=b.lens.tolist())
     toks, num, eos_hit = _generate_jit(graphdef, params, jnp.asarray(b.ids), jnp.asarray(b.lens),
                                        jnp.asarray(b.limits), jax.random.key(seed), jnp.asarray(b.eos, jnp.int32),
                                        max_new_tokens=int(max_new_tokens), max_len=int(max_len), sampling=sampling,
@@ -235,31 +314,38 @@ class Completion:
 _LOADED: dict = {}
 
 
-def _get_target(target, dtype, cache_dir):
+def _get_target(target, dtype, cache_dir, mesh=None):
     from specjax.models.loading import LoadedTarget, load_target
 
     if isinstance(target, LoadedTarget):
         return target
     if isinstance(target, CausalLM):
         return LoadedTarget(target, target.config, None, "<module>", "module")
-    key = (None if target is None else str(target), str(dtype))
+    key = (None if target is None else str(target), str(dtype), mesh)
     if key not in _LOADED:
-        _LOADED[key] = load_target(target, dtype=dtype, cache_dir=cache_dir)
+        if mesh is not None and mesh.size > 1:
+            from specjax.sharding import load_target as load_sharded
+
+            _LOADED[key] = load_sharded(target, mesh, dtype=dtype, cache_dir=cache_dir)
+        else:
+            _LOADED[key] = load_target(target, dtype=dtype, cache_dir=cache_dir)
     return _LOADED[key]
 
 
 def generate(prompts, *, target=None, chat: bool = False, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, dtype=None, eos_token_ids: Sequence[int] | None = None,
-             cache_dir=None) -> list[Completion]:
+             cache_dir=None, mesh=None) -> list[Completion]:
     """Target-only generation.
 
     prompts: a string, a list of strings, or a list of token-id lists. target: None/"default"
     (embedded SmolLM2), a .gguf path, an HF directory, a cached HF repo id, a ``LoadedTarget``
     or a ``CausalLM`` (ids only). chat=True renders each string prompt as one user message
     through the model's chat template. temperature 0 is greedy. Returns one
-    :class:`Completion` per prompt. Loaded targets are memoised per (target, dtype).
+    :class:`Completion` per prompt. Loaded targets are memoised per (target, dtype, mesh).
+    ``mesh`` (a ``jax.sharding.Mesh`` from ``specjax.sharding.make_mesh``): load a target given by
+    path sharded on it; a target already sharded runs sharded whatever ``mesh`` says.
     """
-    lt = _get_target(target, dtype, cache_dir)
+    lt = _get_target(target, dtype, cache_dir, mesh)
     tok = lt.tokenizer
     ids = encode_prompts(lt, prompts, chat=chat)
     eos = lt.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)

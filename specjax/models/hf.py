@@ -38,20 +38,24 @@ def tied_lm_head(config: TargetConfig):
     return lambda path: config.tie_word_embeddings and path[:1] == ("lm_head",)
 
 
-def model_from_tree(config: TargetConfig, tree: dict, *, dtype=None, where: str = "") -> CausalLM:
-    """Build the target for ``config`` and fill it from a nested Flax tree (numpy views)."""
+def model_from_tree(config: TargetConfig, tree: dict, *, dtype=None, where: str = "", place=None) -> CausalLM:
+    """Build the target for ``config`` and fill it from a nested Flax tree (numpy views).
+    ``place(path, view) -> jax.Array`` (e.g. ``specjax.sharding.slice_loader``) puts each leaf on
+    the device(s) and does the ``dtype`` cast itself."""
     dtype = resolve_dtype(dtype)
     try:  # the abstract module's dtype only matters until load_tree replaces every leaf
         leaf_dtype = dtype or np.asarray(tree["model"]["embed_tokens"]["embedding"]).dtype
     except (KeyError, TypeError):
         leaf_dtype = dtype or jnp.float32
     model = build_model(config, param_dtype=leaf_dtype, abstract=True)
-    load_tree(model, tree, where=where, dtype=dtype, ignore=tied_lm_head(config))
+    load_tree(model, tree, where=where, dtype=None if place is not None else dtype, ignore=tied_lm_head(config),
+              place=place)
     return model
 
 
-def load_hf_dir(directory: str | os.PathLike, *, dtype=None) -> CausalLM:
-    """Load ``directory`` (config.json + model.safetensors or a sharded index)."""
+def load_hf_dir(directory: str | os.PathLike, *, dtype=None, place=None) -> CausalLM:
+    """Load ``directory`` (config.json + model.safetensors or a sharded index). ``place``: see
+    :func:`model_from_tree` (sharded loading)."""
     d = Path(directory)
     if not (d / "config.json").is_file():
         raise CheckpointNotFoundError("no config.json in the target directory", path=str(d))
@@ -59,4 +63,4 @@ def load_hf_dir(directory: str | os.PathLike, *, dtype=None) -> CausalLM:
     store = open_tensors(d)
     flat = {name: store.array(name) for name in store.names}
     tree = layout.unflatten(flat, layout.TABLES["hf_lm"], where=str(d))
-    return model_from_tree(config, tree, dtype=dtype, where=str(d))
+    return model_from_tree(config, tree, dtype=dtype, where=str(d), place=place)

@@ -108,24 +108,30 @@ def resolve_target(target: str | os.PathLike | None) -> tuple[str, Path]:
 
 
 def load_target(target: str | os.PathLike | None = None, *, dtype=None, cache_dir: str | os.PathLike | None = None,
-                progress: bool = True) -> LoadedTarget:
+                progress: bool = True, place=None) -> LoadedTarget:
     """Load a target model and its tokenizer. ``dtype`` None keeps the checkpoint dtype
-    (float32 for dequantised GGUF); 'float32' / 'bfloat16' / 'float16' cast."""
+    (float32 for dequantised GGUF); 'float32' / 'bfloat16' / 'float16' cast. ``place(path, view)
+    -> jax.Array`` puts each parameter on its device(s) (``specjax.sharding.load_target``)."""
     from specjax.models.hf import load_hf_dir
 
     kind, path = resolve_target(target)
     if kind in ("hf_dir", "hf_cache"):
-        model = load_hf_dir(path, dtype=dtype)
+        model = load_hf_dir(path, dtype=dtype, place=place)
         return LoadedTarget(model, model.config, Tokenizer.from_dir(path), str(path), kind)
     cache_dir = cache_dir or os.environ.get("SPECJAX_CACHE_DIR")
     if cache_dir:
         cdir = _gguf_cache_dir(path, cache_dir)
         if (cdir / "config.json").is_file():
-            model = load_hf_dir(cdir, dtype=dtype)
+            model = load_hf_dir(cdir, dtype=dtype, place=place)
             return LoadedTarget(model, model.config, Tokenizer.from_dir(cdir), str(cdir), "gguf_cache")
     from specjax.models.gguf import load_gguf
 
     model, config, cfg_dict, flat, gf = load_gguf(path, dtype=dtype, progress=progress)
+    if place is not None:  # GGUF dequantises on the host; then each param goes to its device(s)
+        from specjax.models.params import param_paths
+
+        for p, var in param_paths(model).items():
+            var.set_value(place(p, var.get_value()))
     tok = Tokenizer.from_gguf(gf) if gf.get("tokenizer.ggml.model") is not None else None
     if cache_dir:
         export_hf_dir(cfg_dict, flat, tok, _gguf_cache_dir(path, cache_dir), source=str(path), progress=progress)

@@ -1,0 +1,193 @@
+"""Sharded loading: checkpoint tensors go straight from memory-mapped safetensors into their
+``NamedSharding`` (``jax.make_array_from_callback``): each process cuts only the slices its own
+devices hold from the memory map, so no process ever builds a host copy of a large tensor.
+
+* :func:`load_target` - an HF target directory (or cached HF repo / cached GGUF); a GGUF file is
+  dequantised on the host first (that is how GGUF loads) and then placed.
+* :func:`load_draft` - a speculators draft checkpoint (audit, verifier-owned weights from the
+  target, vocab maps), placed by the draft rules.
+* :func:`restore_orbax` - a specjax Orbax draft checkpoint restored into its shardings.
+
+Every loader checks the whole model against the rules and the mesh before it reads a byte.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from specjax.sharding.mesh import make_mesh
+from specjax.sharding.rules import DRAFT_RULES, TARGET_RULES, PartitionRules, as_rules, partition_specs, path_str, spec_for
+
+
+def _is_float(dt) -> bool:
+    return jnp.issubdtype(np.dtype(dt), jnp.floating)
+
+
+def slice_loader(mesh: Mesh, rules: "PartitionRules | Iterable", dtype=None) -> Callable[[tuple, Any], jax.Array]:
+    """A ``place(path, view) -> jax.Array`` for :func:`specjax.models.params.load_tree`: the leaf's
+    sharding comes from ``rules``; each addressable device's slice is cut from ``view`` (a numpy
+    memory-map view, transposed views included) and cast to ``dtype`` (floats only) on the way.
+    A leaf that is already a jax array is resharded with ``jax.device_put``."""
+    rules = as_rules(rules)
+    tgt_dtype = None if dtype is None else jnp.dtype(dtype)
+
+    def place(path, view):
+        shape = tuple(np.shape(view))
+        sh = NamedSharding(mesh, spec_for(path_str(path), shape, rules, mesh))
+        src = np.dtype(view.dtype)
+        out = tgt_dtype if (tgt_dtype is not None and _is_float(src)) else src
+        if isinstance(view, jax.Array):
+            return jax.device_put(view.astype(out), sh)
+
+        def cb(index):
+            return np.ascontiguousarray(view[index]).astype(out, copy=False)
+
+        return jax.make_array_from_callback(shape, sh, cb)
+
+    return place
+
+
+def _mesh(mesh) -> Mesh:
+    return mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
+
+
+def check_target(config, rules: "PartitionRules | Iterable" = TARGET_RULES, mesh=None, *, dtype=jnp.float32) -> None:
+    """Raise if the target for ``config`` (a ``TargetConfig``) does not fit ``rules`` on ``mesh``
+    (nothing allocated: the model is built abstractly)."""
+    from specjax.models.target import build_model
+
+    partition_specs(build_model(config, param_dtype=dtype, abstract=True), rules, _mesh(mesh))
+
+
+def load_target(target=None, mesh=None, *, rules: "PartitionRules | Iterable" = TARGET_RULES, dtype=None,
+                cache_dir: str | os.PathLike | None = None, progress: bool = True):
+    """``specjax.models.loading.load_target`` with every parameter placed by ``rules`` on ``mesh``
+    (a Mesh, or a preset / file / inline spec for :func:`specjax.sharding.make_mesh`).
+
+    HF directories (and cached GGUFs) are read slice by slice from the memory map, in every
+    process at once; all processes must call this with the same arguments."""
+    from specjax.models.config import TargetConfig
+    from specjax.models.loading import load_target as _load, resolve_target
+
+    mesh = _mesh(mesh)
+    rules = as_rules(rules)
+    kind, path = resolve_target(target)
+    if kind in ("hf_dir", "hf_cache"):
+        check_target(TargetConfig.from_file(Path(path) / "config.json"), rules, mesh)
+    return _load(target, dtype=dtype, cache_dir=cache_dir, progress=progress and _main(),
+                 place=slice_loader(mesh, rules, dtype))
+
+
+def _main() -> bool:
+    return jax.process_index() == 0
+
+
+def _verifier_for(target):
+    """A sharded LoadedTarget is read back through its directory (a global array cannot be
+    copied to one host in a multi-process run)."""
+    from specjax.sharding.apply import mesh_of
+
+    src = getattr(target, "source", None)
+    model = getattr(target, "model", None)
+    if model is not None and src and (Path(src) / "config.json").is_file() and mesh_of(model) is not None:
+        return src
+    return target
+
+
+def load_draft(path: str | os.PathLike, target: Any = None, mesh=None, *,
+               rules: "PartitionRules | Iterable" = DRAFT_RULES, dtype=None, audit: bool = True,
+               verifier_heads: bool = True):
+    """``specjax.load_draft`` with every parameter placed by ``rules`` on ``mesh``: the same audit,
+    vocab-map checks and verifier-owned weights (from ``target``: an HF directory, or a loaded
+    target), then each tensor from the checkpoint's memory map straight into its sharding."""
+    import bridge
+    from bridge import layout
+    from specjax.models.drafts import load as dl
+    from specjax.models.drafts.verifier_weights import fill_verifier_weights
+    from specjax.models.drafts.vocab import check_mapping
+    from specjax.models.params import load_tree
+    from specjax.sharding.apply import put
+
+    mesh = _mesh(mesh)
+    rules = as_rules(rules)
+    path = Path(path)
+    target = _verifier_for(target)
+    if audit:
+        rep = bridge.audit(path, verifier=dl._verifier_dir(target))
+        if getattr(rep, "unreadable", None):
+            raise dl.DraftAuditError(f"audit could not read the checkpoint: {rep.unreadable}", path=str(path))
+        if rep.errors:
+            msgs = "; ".join(f"[{f.rule}] {f.message}" for f in rep.errors[:6])
+            raise dl.DraftAuditError(f"audit found {len(rep.errors)} error(s): {msgs}", path=str(path),
+                                     key=rep.errors[0].key)
+    ckpt = bridge.load_checkpoint(path)
+    cfg = ckpt.config
+    lc = cfg.layer
+    flat = ckpt.flat()  # memory-map views; nothing read yet
+    check_mapping(flat.get("t2d"), flat.get("d2t"), vocab_size=lc.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
+                  where=str(path))
+    source = dl._source(target, cfg)
+    flat = fill_verifier_weights(cfg.speculators_model_type, flat, hidden_size=lc.hidden_size,
+                                 vocab_size=lc.vocab_size, draft_vocab_size=cfg.draft_vocab_size, source=source,
+                                 where=str(path), verifier_heads=verifier_heads)
+    unit = bool(source is not None and source.gemma_style_norm and cfg.speculators_model_type in ("dflash", "dspark"))
+    t2d, d2t = flat.pop("t2d", None), flat.pop("d2t", None)
+    tree = layout.unflatten(flat, layout.TABLES[cfg.speculators_model_type], where=str(path))
+    pdtype = dtype or np.asarray(flat["lm_head.weight"]).dtype
+    model = dl.build_draft(cfg, param_dtype=pdtype, abstract=True, verifier_norm_unit_offset=unit,
+                           verifier_heads=verifier_heads)
+    partition_specs(model, rules, mesh)  # every param and buffer, before reading anything
+    load_tree(model, tree, where=str(path), place=slice_loader(mesh, rules, dtype))
+    if cfg.draft_vocab_size != lc.vocab_size:
+        model.t2d.set_value(put(np.asarray(t2d).astype(bool), NamedSharding(mesh, spec_for("t2d", (lc.vocab_size,),
+                                                                                              rules, mesh))))
+        model.d2t.set_value(put(np.asarray(d2t).astype(np.int32),
+                                NamedSharding(mesh, spec_for("d2t", (cfg.draft_vocab_size,), rules, mesh))))
+    return model
+
+
+def restore_orbax(path: str | os.PathLike, mesh=None, *, rules: "PartitionRules | Iterable" = DRAFT_RULES):
+    """``bridge.restore_orbax`` with each leaf restored straight into its rule's sharding (Orbax
+    reads only the slices of this process's devices). Returns ``(config, tree, metadata)``."""
+    import bridge
+
+    mesh = _mesh(mesh)
+    rules = as_rules(rules)
+    ckptr_meta = _orbax_shapes(path)
+    partition_specs(ckptr_meta, rules, mesh)
+
+    def sharding(p):
+        shape = _lookup(ckptr_meta, p).shape
+        return NamedSharding(mesh, spec_for(path_str(p), shape, rules, mesh))
+
+    return bridge.restore_orbax(path, sharding=sharding)
+
+
+def _orbax_shapes(path):
+    """Nested dict of ShapeDtypeStruct of the params item of a specjax Orbax checkpoint."""
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    md = ckptr.metadata(Path(path))
+    item = md.item_metadata["params"] if hasattr(md, "item_metadata") else md["params"]
+
+    def conv(t):
+        if isinstance(t, dict) or hasattr(t, "items"):
+            return {(int(k) if isinstance(k, str) and k.isdigit() else k): conv(v) for k, v in t.items()}
+        return jax.ShapeDtypeStruct(tuple(t.shape), t.dtype)
+
+    return conv(item)
+
+
+def _lookup(tree, path):
+    node = tree
+    for k in path:
+        node = node[k]
+    return node
