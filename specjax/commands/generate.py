@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 
 from specjax.commands.common import console, fail
+from specjax.sharding import cli as shcli
 
 
 def register(app: typer.Typer) -> None:
@@ -29,25 +30,38 @@ def generate_cmd(
     cache_dir: Optional[str] = typer.Option(None, "--cache-dir",
                                             help="cache a dequantised GGUF as an HF dir here (also SPECJAX_CACHE_DIR)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    mesh: str = shcli.mesh_option(),
+    coordinator: Optional[str] = shcli.coordinator_option(),
+    num_processes: Optional[int] = shcli.num_processes_option(),
+    process_id: Optional[int] = shcli.process_id_option(),
 ):
     """Generate continuations with the target model alone (the whole decode loop is one jit)."""
     from bridge.errors import BridgeError
     from specjax.decode.generate import generate
     from specjax.models.loading import load_target
+    from specjax.sharding import describe, is_main_process, load_target as load_sharded
 
     try:
+        dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
         t0 = time.perf_counter()
-        lt = load_target(target, dtype=None if dtype == "auto" else dtype, cache_dir=cache_dir, progress=not as_json)
+        dt = None if dtype == "auto" else dtype
+        if dev_mesh.size > 1:  # every parameter straight into its sharding
+            lt = load_sharded(target, dev_mesh, dtype=dt, cache_dir=cache_dir, progress=not as_json)
+        else:
+            lt = load_target(target, dtype=dt, cache_dir=cache_dir, progress=not as_json)
         t1 = time.perf_counter()
         outs = generate(prompt, target=lt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_p=top_p, top_k=top_k, seed=seed)
         t2 = time.perf_counter()
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
+    if not is_main_process():  # multi-process: every process ran the same program; one prints
+        return
     n_tok = sum(len(o.token_ids) for o in outs)
     if as_json:
         print(json.dumps({
             "target": lt.source, "kind": lt.kind, "load_s": round(t1 - t0, 3), "generate_s": round(t2 - t1, 3),
+            **({"mesh": describe(dev_mesh)} if dev_mesh.size > 1 else {}),
             "completions": [{"prompt": p, "text": o.text, "token_ids": o.token_ids,
                              "prompt_tokens": len(o.prompt_token_ids), "stop_reason": o.stop_reason}
                             for p, o in zip(prompt, outs)],

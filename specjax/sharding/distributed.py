@@ -56,13 +56,8 @@ def initialize(coordinator: str | None = None, num_processes: int | str | None =
     pid = _int(process_id if process_id is not None else _env(ENV_PROCESS_ID), "--process-id", ENV_PROCESS_ID)
     if coordinator is None and n is None and pid is None:
         return False
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
-        raise DistributedConfigError("multi-process settings were given after JAX already started its devices; "
-                                     "call specjax.sharding.initialize() (or pass the flags) before any JAX "
-                                     "computation", key="--coordinator")
     if coordinator == "auto":
+        _not_started()
         jax.distributed.initialize(num_processes=n, process_id=pid, local_device_ids=local_device_ids,
                                    initialization_timeout=timeout_s)
         return True
@@ -76,10 +71,20 @@ def initialize(coordinator: str | None = None, num_processes: int | str | None =
     if not 0 <= pid < n:
         raise DistributedConfigError(f"--process-id {pid} is outside [0, {n}) for --num-processes {n}",
                                      key="--process-id")
+    _not_started()
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=pid,
                                local_device_ids=local_device_ids, initialization_timeout=timeout_s,
                                cluster_detection_method="deactivate")
     return True
+
+
+def _not_started() -> None:
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise DistributedConfigError("multi-process settings were given after JAX already started its devices; "
+                                     "call specjax.sharding.initialize() (or pass the flags) before any JAX "
+                                     "computation", key="--coordinator")
 
 
 def shutdown() -> None:

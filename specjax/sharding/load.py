@@ -30,11 +30,13 @@ def _is_float(dt) -> bool:
     return jnp.issubdtype(np.dtype(dt), jnp.floating)
 
 
-def slice_loader(mesh: Mesh, rules: "PartitionRules | Iterable", dtype=None) -> Callable[[tuple, Any], jax.Array]:
+def slice_loader(mesh: Mesh, rules: "PartitionRules | Iterable", dtype=None,
+                 on_slice: Callable[[str, Any, int], None] | None = None) -> Callable[[tuple, Any], jax.Array]:
     """A ``place(path, view) -> jax.Array`` for :func:`specjax.models.params.load_tree`: the leaf's
     sharding comes from ``rules``; each addressable device's slice is cut from ``view`` (a numpy
     memory-map view, transposed views included) and cast to ``dtype`` (floats only) on the way.
-    A leaf that is already a jax array is resharded with ``jax.device_put``."""
+    A leaf that is already a jax array is resharded with ``jax.device_put``.
+    ``on_slice(path, index, nbytes)`` is told about every slice read (diagnostics, tests)."""
     rules = as_rules(rules)
     tgt_dtype = None if dtype is None else jnp.dtype(dtype)
 
@@ -47,7 +49,10 @@ def slice_loader(mesh: Mesh, rules: "PartitionRules | Iterable", dtype=None) -> 
             return jax.device_put(view.astype(out), sh)
 
         def cb(index):
-            return np.ascontiguousarray(view[index]).astype(out, copy=False)
+            a = np.ascontiguousarray(view[index])
+            if on_slice is not None:
+                on_slice(path_str(path), index, a.nbytes)
+            return a.astype(out, copy=False)
 
         return jax.make_array_from_callback(shape, sh, cb)
 
@@ -67,7 +72,8 @@ def check_target(config, rules: "PartitionRules | Iterable" = TARGET_RULES, mesh
 
 
 def load_target(target=None, mesh=None, *, rules: "PartitionRules | Iterable" = TARGET_RULES, dtype=None,
-                cache_dir: str | os.PathLike | None = None, progress: bool = True):
+                cache_dir: str | os.PathLike | None = None, progress: bool = True,
+                on_slice: Callable[[str, Any, int], None] | None = None):
     """``specjax.models.loading.load_target`` with every parameter placed by ``rules`` on ``mesh``
     (a Mesh, or a preset / file / inline spec for :func:`specjax.sharding.make_mesh`).
 
@@ -82,7 +88,7 @@ def load_target(target=None, mesh=None, *, rules: "PartitionRules | Iterable" = 
     if kind in ("hf_dir", "hf_cache"):
         check_target(TargetConfig.from_file(Path(path) / "config.json"), rules, mesh)
     return _load(target, dtype=dtype, cache_dir=cache_dir, progress=progress and _main(),
-                 place=slice_loader(mesh, rules, dtype))
+                 place=slice_loader(mesh, rules, dtype, on_slice))
 
 
 def _main() -> bool:

@@ -199,7 +199,10 @@ def mesh_sizes(mesh) -> dict[str, int]:
 def describe(mesh) -> str:
     """``"mesh {data: 2, fsdp: 1, tensor: 4}"`` (+ device kind and processes for a concrete mesh)."""
     s = f"mesh {_fmt(mesh_sizes(mesh))}"
-    devs = getattr(mesh, "devices", None)
+    try:
+        devs = mesh.devices
+    except (ValueError, AttributeError):  # AbstractMesh
+        devs = None
     if devs is not None and hasattr(devs, "flat"):
         flat = list(devs.flat)
         procs = len({d.process_index for d in flat})

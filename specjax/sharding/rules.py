@@ -210,21 +210,23 @@ def _resolve(leaves, rules: PartitionRules, mesh):
 
 
 def _raise(problems, rules: PartitionRules, mesh):
-    where = describe(mesh) if mesh is not None else "the mesh"
+    where = describe(mesh) if mesh is not None else "any mesh"
     unmatched = [p for p in problems if p[2] is None]
+    shown = unmatched or problems  # unmatched first: they are the table's fault, not the mesh's
     lines = []
-    for path, shape, rule, why in problems[:12]:
-        if rule is None:
-            lines.append(f"{path} {list(shape)}: no rule of the {rules.name!r} table matches")
-        else:
-            lines.append(f"{path} {list(shape)}: {why} (rule {rule.pattern!r} -> {rule.spec})")
-    more = f" ... and {len(problems) - 12} more" if len(problems) > 12 else ""
-    cls = UnmatchedParamError if unmatched else IndivisibleShardError
-    hint = ("add a (regex, PartitionSpec) rule for it" if unmatched else
-            "pick mesh sizes that divide these dimensions, or override the rule (e.g. replicate it with P())")
-    raise cls(f"{len(problems)} parameter(s) do not fit {where} under the {rules.name!r} partition rules: "
-              + "; ".join(lines) + more + f". Fix: {hint}",
-              problems=[(p[0], p[3]) for p in problems], key=problems[0][0])
+    for path, shape, rule, why in shown[:6]:
+        lines.append(f"{path} {list(shape)}" + ("" if rule is None else f": {why} (rule {rule.pattern!r} -> {rule.spec})"))
+    more = f" ... and {len(shown) - 6} more" if len(shown) > 6 else ""
+    if unmatched:
+        raise UnmatchedParamError(
+            f"{len(unmatched)} parameter(s) match no rule of the {rules.name!r} partition table (on {where}): "
+            + "; ".join(lines) + more + ". Fix: add a (regex over the dotted path, PartitionSpec) rule for each",
+            problems=[(p[0], p[3]) for p in problems], key=shown[0][0])
+    raise IndivisibleShardError(
+        f"{len(problems)} parameter(s) do not fit {where} under the {rules.name!r} partition rules: "
+        + "; ".join(lines) + more + ". Fix: pick mesh sizes that divide these dimensions, or override the rule "
+        "(PartitionRules.override, e.g. replicate with P())", problems=[(p[0], p[3]) for p in problems],
+        key=shown[0][0])
 
 
 def _leaves_with_paths(tree):

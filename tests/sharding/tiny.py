@@ -64,7 +64,20 @@ def write_target(out: Path, family: str = "llama", *, seed: int = 0, layers: int
     flat = flatten(_fill(tree_of(model), np.random.default_rng(seed)))
     write_tensors_into(out, flat, {"format": "pt"}, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_tokenizer(out)
     return out
+
+
+def write_tokenizer(out: Path) -> None:
+    """A word-level tokenizer over the tiny vocab: ``<pad> <s> </s> w3 ... w95`` (whitespace split)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, V)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(Path(out) / "tokenizer.json"))
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": False}))
 
 
 def eagle3_config() -> dict:
@@ -111,3 +124,26 @@ def eagle3_inputs(batch: int = 4, T: int = 12, seed: int = 2) -> dict:
         "document_ids": np.zeros((batch, T), np.int32),
         "position_ids": np.broadcast_to(np.arange(T, dtype=np.int32), (batch, T)).copy(),
     }
+
+
+def draft_config(algo: str, **over) -> dict:
+    """A tiny config of any algorithm (same layer sizes as the target), for abstract builds."""
+    cfg = eagle3_config()
+    cfg["speculators_model_type"] = algo
+    cfg["speculators_config"]["algorithm"] = algo
+    cfg.pop("eagle_aux_hidden_state_layer_ids")
+    cfg.pop("norm_before_residual")
+    if algo in ("eagle3", "peagle"):
+        cfg.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2], norm_before_residual=True)
+    if algo == "peagle":
+        cfg.update(mask_token_id=V - 1)
+    if algo in ("dflash", "dspark"):
+        cfg.update(aux_hidden_state_layer_ids=[0, 1], mask_token_id=V - 1, block_size=4)
+        cfg["transformer_layer_config"].update(num_hidden_layers=2, model_type="qwen3")
+    if algo == "dspark":
+        cfg.update(markov_rank=8)
+    if algo == "mtp":
+        cfg.pop("draft_vocab_size")
+        cfg["transformer_layer_config"].update(model_type="qwen3")
+    cfg.update(over)
+    return cfg
