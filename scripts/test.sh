@@ -6,4 +6,4 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh" test
 cd "$ROOT"
 export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "$ROOT/.venv/bin/python" -m pytest -q "$@"
+exec "$ROOT/.venv/bin/python" -m pytest -q -n 2 --dist loadfile --durations=15 "$@"
