@@ -104,3 +104,8 @@ def run_notebook(name: str, workdir: Path, *, timeout: int = 600, env: dict[str,
         os.environ.update(saved)
     text = stream_text(nb)
     return Executed(path, seconds, parse_results(text), times, text)
+
+
+def report(ex: Executed) -> None:
+    slow = sorted(enumerate(ex.cell_seconds), key=lambda t: -t[1])[:3]
+    print(f"\n{ex.path.name}: {ex.seconds:.1f}s; slowest cells " + ", ".join(f"#{i} {s:.1f}s" for i, s in slow))
