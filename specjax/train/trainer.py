@@ -39,6 +39,7 @@ from flax import nnx
 
 from bridge.atomic import atomic_file
 from specjax.train.config import TrainConfig
+from specjax.train.fast_eagle3 import ttt_forward
 from specjax.train.errors import DatasetError, HiddenStateCacheError, ResumeError, TrainError
 from specjax.train.hidden_states import cache_layer_ids, default_aux_layer_ids, hs_path, read_hs, verify_cache
 from specjax.train.losses import parse_loss_spec
@@ -155,8 +156,8 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig) -> StepFns:
         hs = batch["hidden_states"].astype(cdt)
         y = batch["verifier_last_hidden_states"].astype(cdt)
         if algo == "eagle3":
-            out = model(hs, batch["input_ids"], batch["document_ids"], batch["loss_mask"], batch["position_ids"], y,
-                        ttt_steps=S)
+            out = ttt_forward(model, hs, batch["input_ids"], batch["document_ids"], batch["position_ids"], y,
+                              ttt_steps=S)
             return eagle3_objective(out.logits, out.targets, batch["loss_mask"], loss_spec=spec,
                                     ttt_step_loss_decay=cfg.loss.ttt_step_loss_decay)
         anchors, valid = select_anchors(batch["rng"], batch["loss_mask"], cfg.data.max_anchors, f.block_size)

@@ -1,0 +1,173 @@
+"""EAGLE-3 TTT train step, specjax vs speculators 0.9.0, side by side in one run.
+
+Both train the same SmolLM2-sized draft (hidden 576, 9/3 heads, intermediate 1536, verifier
+vocab 49152, one layer, 3 TTT steps, norm_before_fc + norm_output as the TrainConfig defaults)
+from identical initial parameters on the same fixed packed row (random hidden states, several
+documents), with the same optimizer (AdamW, lr 1e-4, wd 0.01, grad clip 1.0) and bf16 compute
+over float32 master weights (speculators: ``torch.autocast("cpu", bfloat16)``, eager kl_div loss,
+sdpa attention; specjax: the jitted trainer step). One thread each (``torch.set_num_threads(1)``;
+XLA CPU without the multi-threaded Eigen pool). Seconds are CPU seconds of the process per step
+(wall seconds are reported too; on a shared machine they include waiting). Prints one JSON line:
+
+    {"specjax_s_per_step", "speculators_s_per_step", "ratio" (specjax / speculators), ...}
+
+    .venv/bin/python benchmarks/train_step.py [--tokens 1024] [--draft-vocab 8192] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def make_batch(tokens: int, hidden: int, vocab: int, seed: int = 0):
+    """Documents of varied length packed into ``tokens`` slots (speculators' collate + shift)."""
+    import torch
+
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
+    rng = np.random.default_rng(seed)
+    samples, left = [], tokens + 4
+    while left > 40:
+        n = int(min(left, rng.integers(120, 400)))
+        lm = np.ones(n, np.int64)
+        lm[: n // 4] = 0
+        samples.append({
+            "hidden_states": torch.from_numpy(rng.standard_normal((n, 3 * hidden)).astype(np.float32)),
+            "input_ids": torch.from_numpy(rng.integers(0, vocab, n).astype(np.int64)),
+            "verifier_last_hidden_states": torch.from_numpy(rng.standard_normal((n, hidden)).astype(np.float32)),
+            "loss_mask": torch.from_numpy(lm), "lengths": torch.tensor([n]), "position_ids": torch.arange(n)})
+        left -= n
+    b = CollateFn(tokens, hidden, num_target_layers=3, dtype=torch.bfloat16, preprocess=shift_batch)(samples)
+    b.pop("error_records", None)
+    return {k: v for k, v in b.items() if isinstance(v, torch.Tensor)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--compute", default="bfloat16", help="specjax compute dtype (bfloat16 | float32)")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    from specjax.models.config import TargetConfig
+    from specjax.models.target import build_model
+    from specjax.train.config import load_recipe
+    from specjax.train.export import draft_layer_config, init_draft, speculators_config
+    from specjax.train.trainer import FROZEN, TRACE_COUNT, device_batch, make_step_fns, trainable_filter
+    from specjax.train.optim import build_optimizer
+    from specjax.train.vocab import build_vocab_mapping
+    from flax import nnx
+
+    V, H, Vd = SMOL["vocab_size"], SMOL["hidden_size"], args.draft_vocab
+    tcfg = TargetConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SMOL})
+    target = build_model(tcfg, rngs=nnx.Rngs(0))
+    layer = draft_layer_config(tcfg, draft_arch="llama", num_layers=1, sliding_window=2048)
+    doc = speculators_config("eagle3", layer=layer, draft_vocab_size=Vd, aux_layer_ids=[2, 15, 27],
+                             speculative_tokens=3, verifier="bench", verifier_arch="LlamaForCausalLM",
+                             norm_before_fc=True, norm_output=True, norm_before_residual=True)
+    rng = np.random.default_rng(0)
+    d2t, t2d = build_vocab_mapping({int(t): int(c) for t, c in enumerate(rng.integers(1, 1000, V))}, Vd, V) \
+        if Vd != V else (None, None)
+    _, model = init_draft(doc, target, seed=0, t2d=t2d, d2t=d2t)
+    batch = make_batch(args.tokens, H, V)
+
+    # ---------------- speculators (PyTorch, one thread)
+    import speculators.models  # noqa: F401
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from specjax.train.export import model_flat
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_doc = dict(doc)
+        cfg_doc["speculators_config"] = dict(doc["speculators_config"], verifier={"architectures": ["LlamaForCausalLM"],
+                                                                                 "name_or_path": None})
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg_doc))
+        scfg = Eagle3SpeculatorConfig.from_pretrained(tmp)
+    scfg.transformer_layer_config._attn_implementation = "sdpa"
+    tm = Eagle3DraftModel(scfg)
+    sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in model_flat(model).items()}
+    tm.load_state_dict(sd, strict=True)
+    tm.float().train()
+    for n, p in tm.named_parameters():
+        p.requires_grad_(not any(f in n.split(".")[0] for f in FROZEN))
+    opt = torch.optim.AdamW([p for p in tm.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01)
+    loss_cfg = resolve_loss_config("kl_div", "eager")
+
+    def torch_step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss, _ = tm(**batch, ttt_steps=3, ttt_step_loss_decay=1.0, loss_config=loss_cfg)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(tm.parameters(), 1.0)
+        opt.step()
+        return float(loss)
+
+    for _ in range(args.warmup):
+        torch_step()
+    t, c = time.perf_counter(), time.process_time()
+    tl = [torch_step() for _ in range(args.steps)]
+    t_torch, c_torch = (time.perf_counter() - t) / args.steps, (time.process_time() - c) / args.steps
+
+    # ---------------- specjax (JAX, one thread)
+    rcfg = load_recipe(None, ["optimizer.optimizer=adamw", "optimizer.lr=1e-4", "scheduler.scheduler_type=none",
+                              f"trainer.compute_dtype={args.compute}"])
+    graphdef, params, frozen = nnx.split(model, nnx.All(nnx.Param, trainable_filter), ...)
+    tx, _ = build_optimizer(params, optimizer="adamw", lr=1e-4, weight_decay=0.01, muon_lr=1e-4, muon_momentum=0.95,
+                            muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw",
+                            scheduler_type="none", warmup=0, total=1)
+    opt_state = tx.init(params)
+    fns = make_step_fns(graphdef, frozen, tx, rcfg)
+    jb = device_batch({k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in batch.items()})
+    jb = {k: (v.astype(jnp.bfloat16) if "hidden_states" in k else v) for k, v in jb.items()}
+    jl = []
+    for _ in range(args.warmup):
+        params, opt_state, m = fns.train_step(params, opt_state, jb)
+        jax.block_until_ready(params)
+    t, c = time.perf_counter(), time.process_time()
+    for _ in range(args.steps):
+        params, opt_state, m = fns.train_step(params, opt_state, jb)
+        jl.append(float(m["loss"][0]))
+    jax.block_until_ready(params)
+    t_jax, c_jax = (time.perf_counter() - t) / args.steps, (time.process_time() - c) / args.steps
+    print(json.dumps({
+        "benchmark": "eagle3_ttt_train_step", "tokens": args.tokens, "draft_vocab": Vd, "verifier_vocab": V,
+        "hidden": H, "ttt_steps": 3, "optimizer": "adamw", "threads": 1, "compute": f"speculators bf16 autocast, specjax {args.compute}; f32 master",
+        "specjax_s_per_step": round(c_jax, 4), "speculators_s_per_step": round(c_torch, 4),
+        "ratio": round(c_jax / c_torch, 3), "wall_s_per_step": {"specjax": round(t_jax, 4), "speculators": round(t_torch, 4)},
+        "timing": "CPU seconds of this process per step (robust to other load; one thread each)", "compiles": TRACE_COUNT["train_step"],
+        "first_loss": {"specjax": round(jl[0], 5), "speculators": round(tl[0], 5)},
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""EAGLE-3 TTT training forward with block-structured attention (same math as
+:meth:`specjax.models.drafts.eagle3.Eagle3Draft.__call__`, far less work).
+
+At TTT step ``s`` a query at position ``j`` attends to the step-0 keys under the step-0 mask
+(causal, same document, window) and to exactly one key of each later step ``1..s``: its own
+position (the diagonal blocks of speculators' extended mask). The module's forward materialises
+the dense ``[T, (s+1)T]`` scores; here the step-0 block is ``[T, T]`` and each later block is a
+per-position dot product ``[T]``, joined in one softmax:
+
+    out_j = (sum_i p0_ji v0_i + sum_{t=1..s} pd_jt v_t_j) / Z_j
+
+so attention costs ``T^2 + sT`` instead of ``(s+1)T^2`` per step. Equality with the module's
+forward is tested (``tests/train/test_fast_eagle3.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.drafts.eagle3 import Eagle3Output, ttt_mask
+from specjax.models.drafts.common import mlp_block
+from specjax.models.rope import apply_rope, rope_cos_sin
+
+_NEG = -1e30
+
+
+def ttt_attend(q, k0, v0, kd, vd, mask0, scale: float):
+    """q [B,T,Hq,D]; k0/v0 [B,T,Hkv,D] (step-0 keys); kd/vd lists of [B,T,Hkv,D] (the keys of steps
+    1..s at the query's own position); mask0 bool [B,1,T,T]. -> [B,T,Hq,D].
+
+    Keys/values are repeated to the query heads and scores laid out ``[B, Hq, T, S]``: plain
+    batched matmuls, so XLA's CPU backward needs no transposes of ``T x T`` tensors."""
+    B, T, Hq, D = q.shape
+    G = Hq // k0.shape[2]
+
+    def heads(x):  # [B,T,Hkv,D] -> [B,Hq,T,D]
+        return jnp.transpose(jnp.repeat(x, G, axis=2) if G > 1 else x, (0, 2, 1, 3))
+
+    qt = jnp.transpose(q, (0, 2, 1, 3))
+    kt, vt = heads(k0), heads(v0)
+    s0 = jnp.einsum("bhtd,bhsd->bhts", qt, kt, preferred_element_type=jnp.float32) * scale
+    s0 = jnp.where(mask0, s0, _NEG)  # mask0 [B,1,T,T]
+    kdt, vdt = [heads(k) for k in kd], [heads(v) for v in vd]
+    sd = [jnp.sum(qt.astype(jnp.float32) * k.astype(jnp.float32), axis=-1) * scale for k in kdt]  # [B,Hq,T]
+    m = jnp.max(s0, axis=-1)
+    for x in sd:
+        m = jnp.maximum(m, x)
+    m = jax.lax.stop_gradient(m)
+    p0 = jnp.exp(s0 - m[..., None])
+    pd = [jnp.exp(x - m) for x in sd]
+    z = jnp.sum(p0, axis=-1)
+    for p in pd:
+        z = z + p
+    o = jnp.einsum("bhts,bhsd->bhtd", p0.astype(vt.dtype), vt, preferred_element_type=jnp.float32)
+    for p, v in zip(pd, vdt):
+        o = o + p[..., None] * v.astype(jnp.float32)
+    o = o / z[..., None]
+    return jnp.transpose(o, (0, 2, 1, 3)).astype(q.dtype)
+
+
+def ttt_forward(model, hidden_states, input_ids, document_ids, position_ids=None, verifier_last_hidden_states=None,
+                *, ttt_steps: int = 3) -> Eagle3Output:
+    """``model(...)`` of an ``Eagle3Draft`` (one packed row, after ``shift_batch``), computed with
+    :func:`ttt_attend`."""
+    B, T = input_ids.shape
+    if position_ids is None:
+        position_ids = jnp.broadcast_to(1 + jnp.arange(T), (B, T))
+    h = model.project_aux(hidden_states)
+    masks0 = {w: ttt_mask(document_ids, w, 0) for w in model.spec.distinct_windows}
+    ids0 = input_ids
+    ids = input_ids
+    L = len(model.layers)
+    k0 = [None] * L
+    v0 = [None] * L
+    kd: list[list] = [[] for _ in range(L)]
+    vd: list[list] = [[] for _ in range(L)]
+    all_logits, all_hidden = [], []
+    for s in range(ttt_steps):
+        e = model.embed(ids)
+        cos, sin = rope_cos_sin(position_ids + s, model.spec.rope, dtype=h.dtype)
+        x = None
+        for i, layer in enumerate(model.layers):
+            if i == 0:
+                xin, res = layer.attn_input(e, h)
+            else:
+                xin, res = layer.input_layernorm(x), x
+            attn = layer.self_attn
+            q, k, v = attn.project(xin)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if s == 0:
+                k0[i], v0[i] = k, v
+            else:
+                kd[i].append(k)
+                vd[i].append(v)
+            o = ttt_attend(q, k0[i], v0[i], kd[i], vd[i], masks0[model.spec.windows[i]], attn.scaling)
+            x = mlp_block(layer, res + attn.output(o))
+        logits, h = model.head(x)
+        all_logits.append(logits)
+        all_hidden.append(h)
+        ids = jnp.concatenate([ids0[:, 1 + s:], jnp.zeros((B, 1 + s), ids0.dtype)], axis=1)
+    tg = None if verifier_last_hidden_states is None else model.targets(verifier_last_hidden_states)
+    return Eagle3Output(jnp.stack(all_logits), jnp.stack(all_hidden), tg)
