@@ -23,7 +23,8 @@ Rules (:func:`accept`):
   token is *also* accepted when it is within the verifier's top ``verifier_accept_k`` and its
   log-probability (raw logits, temperature 1) is within ``accept_tolerance`` of the top token's.
   This changes the output distribution: :func:`is_lossy` says so, and the loop reports it.
-  With ``accept_tolerance == 0`` or ``verifier_accept_k == 1`` it is the exact rule.
+  With ``accept_tolerance == 0`` or ``verifier_accept_k == 1`` it is the exact rule. Both may be
+  traced arrays (runtime settings), so exact and relaxed runs share one compiled program.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def is_lossy(verifier_accept_k: int = 1, accept_tolerance: float = 0.0) -> bool:
     return int(verifier_accept_k) > 1 and float(accept_tolerance) > 0.0
 
 
+def _maybe_relaxed(verifier_accept_k, accept_tolerance) -> bool:
+    """Python numbers: decided now; arrays (runtime settings, one compile for both): maybe."""
+    if isinstance(verifier_accept_k, jax.Array) or isinstance(accept_tolerance, jax.Array):
+        return True
+    return is_lossy(verifier_accept_k, accept_tolerance)
+
+
 def leading_run(ok):
     """bool [B, k] -> int32 [B]: length of the leading run of True."""
     return jnp.cumprod(ok.astype(jnp.int32), axis=-1).sum(-1).astype(jnp.int32)
@@ -60,7 +68,8 @@ def relaxed_accept(target_logits, draft_tokens, verifier_accept_k: int, accept_t
     lp_d = jnp.take_along_axis(logp, draft_tokens[..., None], axis=-1)[..., 0]
     rank = (logp > lp_d[..., None]).sum(-1)  # tokens strictly more likely than the draft token
     top = logp.max(-1)
-    return (rank < verifier_accept_k) & (top - lp_d <= accept_tolerance)
+    on = (jnp.asarray(verifier_accept_k) > 1) & (jnp.asarray(accept_tolerance) > 0)  # else the exact rule
+    return on & (rank < verifier_accept_k) & (top - lp_d <= accept_tolerance)
 
 
 def _assemble(draft_tokens, n, next_token):
@@ -78,7 +87,7 @@ def accept_greedy(target_logits, draft_tokens, *, verifier_accept_k: int = 1,
     best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
     k = draft_tokens.shape[-1]
     ok = draft_tokens == best[:, :k]
-    if is_lossy(verifier_accept_k, accept_tolerance):
+    if _maybe_relaxed(verifier_accept_k, accept_tolerance):
         ok |= relaxed_accept(target_logits, draft_tokens, verifier_accept_k, accept_tolerance)
     n = leading_run(ok)
     nxt = jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
@@ -131,7 +140,7 @@ def accept(key, target_logits, draft_tokens, draft_probs, sampling: SamplingPara
         return accept_greedy(target_logits, draft_tokens, verifier_accept_k=verifier_accept_k,
                              accept_tolerance=accept_tolerance)
     relaxed = None
-    if is_lossy(verifier_accept_k, accept_tolerance):
+    if _maybe_relaxed(verifier_accept_k, accept_tolerance):
         relaxed = relaxed_accept(target_logits, draft_tokens, verifier_accept_k, accept_tolerance)
     p = jax.nn.softmax(process_logits(target_logits, sampling), axis=-1)
     return accept_sampled(key, p, draft_tokens, draft_probs, relaxed=relaxed)

@@ -1,0 +1,488 @@
+"""Speculative decoding: draft, verify, accept, commit -- the whole loop is one ``jax.jit``.
+
+One compiled program per shape: prefill the target (tapping the hidden states the draft
+consumes), sample the first token, let the draft ingest the prompt rows and propose ``k``
+tokens, then ``lax.while_loop`` over rounds until every sequence hit EOS or its limit:
+
+1. **verify**: one target forward over ``[last, d_1, ..., d_k]`` ([B, k+1]) at positions
+   ``L .. L+k`` (``L`` = committed tokens in the cache), returning logits and taps;
+2. **accept** (:mod:`specjax.decode.accept`): ``n`` leading draft tokens plus one correction /
+   bonus token per sequence (ragged);
+3. **commit**: :func:`specjax.decode.generate.emit` appends the ``n + 1`` tokens (EOS / limit
+   stops); the target cache keeps ``L + n + 1`` tokens (``rollback``: rejected slots are never
+   read, later writes overwrite them);
+4. **hand-off**: the draft receives the target rows of exactly the committed tokens -- the taps
+   at verify positions ``0..n`` with the token after each (``d_2..d_n``, then the new token) --
+   and proposes the next ``k`` (``draft.speculate``; chain drafts feed their own hidden state
+   step to step, block drafts propose the block in one forward).
+
+No host round trip inside the loop; all shapes are static (``B``, prompt bucket, ``k``,
+``max_new_tokens``); per-sequence lengths live in the caches. Any object with the shared
+draft decode entry works as the draft: every speculators algorithm in
+:mod:`specjax.models.drafts`, and :class:`specjax.decode.selfdraft.SelfDraft`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.decode.accept import accept, draft_probs, is_lossy, sample_draft
+from specjax.decode.generate import (
+    GREEDY, Completion, DecodeState, GenerationResult, _get_target, cache_dtype_of, completions, emit, encode_prompts,
+    prepare, start,
+)
+from specjax.decode.sampling import SamplingParams
+from specjax.models.drafts.common import d2t_of, greedy
+from specjax.models.errors import ModelError
+from specjax.models.target import CausalLM
+
+TRACE_COUNT = {"speculative": 0}  # bumped each time the speculative loop is traced (= compiled)
+
+
+class DraftTargetMismatchError(ModelError, ValueError):
+    """The draft was built for a different target (hidden size, vocabulary, layers, architecture)."""
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """Static (hashable) settings of one speculative program."""
+
+    k: int  # draft tokens per round
+    sampling: SamplingParams = GREEDY  # applied to target and draft distributions alike
+    draft_sampling: str = "greedy"  # "greedy": argmax proposals (point-mass q, speculators default) | "sample"
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"k (speculative tokens) must be >= 1, got {self.k}")
+        if self.draft_sampling not in ("greedy", "sample"):
+            raise ValueError(f"draft_sampling must be 'greedy' or 'sample', got {self.draft_sampling!r}")
+
+    @property
+    def greedy_proposals(self) -> bool:
+        return self.sampling.greedy or self.draft_sampling == "greedy"
+
+
+@dataclass
+class SpecDraft:
+    """A draft ready for the loop: the module plus what its checkpoint says about decoding."""
+
+    module: Any
+    config: Any = None  # bridge DraftConfig, None for a self draft / bare module
+    source: str = "<module>"
+
+    @property
+    def algorithm(self) -> str:
+        return getattr(self.module, "algorithm", type(self.module).__name__)
+
+    @property
+    def speculative_tokens(self) -> int:
+        if self.config is not None:
+            return int(self.config.speculative_tokens)
+        return int(getattr(self.module, "speculative_tokens", 3))
+
+    @property
+    def verifier_accept_k(self) -> int:
+        return 1 if self.config is None else int(self.config.proposal.verifier_accept_k)
+
+    @property
+    def accept_tolerance(self) -> float:
+        return 0.0 if self.config is None else float(self.config.proposal.accept_tolerance)
+
+    @property
+    def max_k(self) -> int | None:
+        """Tokens one block proposes (block drafts); None for chain drafts (any k)."""
+        m = self.module
+        if getattr(m, "algorithm", "") in ("dflash", "dspark"):
+            return int(m.block_size) - (0 if m.sample_from_anchor else 1)
+        return None
+
+
+def as_spec_draft(draft) -> SpecDraft:
+    return draft if isinstance(draft, SpecDraft) else SpecDraft(draft)
+
+
+def _arch_names(names) -> list[str]:
+    return [str(a) for a in (names or [])]
+
+
+def check_pair(draft_config, target_config, *, draft_src: str = "draft", target_src: str = "target") -> None:
+    """Refuse a draft checkpoint built for another target, from the configs alone. Every message
+    names both sides. Raises :class:`DraftTargetMismatchError`."""
+    tc = target_config
+    lc = draft_config.layer
+    algo = draft_config.speculators_model_type
+    probs = []
+    if lc.hidden_size != tc.hidden_size:
+        probs.append(f"hidden size: draft {lc.hidden_size} (transformer_layer_config.hidden_size) vs target "
+                     f"{tc.hidden_size} (hidden_size)")
+    if lc.vocab_size != tc.vocab_size:
+        probs.append(f"vocabulary: draft {lc.vocab_size} (transformer_layer_config.vocab_size) vs target "
+                     f"{tc.vocab_size} (vocab_size)")
+    n = tc.num_hidden_layers
+    aux = draft_config.aux_layer_ids
+    if algo != "mtp" and aux:
+        bad = [i for i in aux if not 0 <= int(i) <= n]
+        if bad:
+            probs.append(f"aux hidden-state layer ids: draft needs {list(aux)} ({bad} out of range) vs target "
+                         f"num_hidden_layers {n} (valid ids 0..{n})")
+    archs = _arch_names(draft_config.speculators_config.verifier.architectures)
+    if archs and tc.architecture not in archs:
+        probs.append(f"verifier architecture: draft was trained for {archs} "
+                     f"(speculators_config.verifier.architectures) vs target {tc.architecture}")
+    if algo == "mtp":
+        mt = draft_config.transformer_layer_config.get("model_type")
+        if mt and mt != tc.family:
+            probs.append(f"verifier family: MTP head of model_type {mt!r} vs target {tc.family!r}")
+    if probs:
+        raise DraftTargetMismatchError(f"draft {draft_src} does not fit target {target_src}: " + "; ".join(probs),
+                                       key="transformer_layer_config")
+
+
+def parse_self_draft(spec: str | None) -> int | None | bool:
+    """'self' -> None (all layers), 'self:M' -> M; anything else -> False."""
+    if spec is None:
+        return None
+    s = str(spec)
+    if s == "self":
+        return None
+    if s.startswith("self:"):
+        try:
+            return int(s.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"--draft {s!r}: expected 'self' or 'self:M' with M an integer number of layers") from None
+    return False
+
+
+def load_spec_draft(draft, target, *, dtype=None, speculative_tokens: int = 3) -> SpecDraft:
+    """A :class:`SpecDraft` for ``draft``: a speculators checkpoint directory (checked against the
+    target, then ``load_draft``), ``None`` / ``"self"`` / ``"self:M"`` (a :class:`SelfDraft` of the
+    target's first M layers), a draft module, or a ``SpecDraft``. ``target``: a ``LoadedTarget``
+    or ``CausalLM``."""
+    from specjax.decode.selfdraft import SelfDraft
+
+    if isinstance(draft, SpecDraft):
+        return draft
+    model = target.model if hasattr(target, "model") and isinstance(target.model, CausalLM) else target
+    layers = parse_self_draft(draft)
+    if layers is not False:
+        return SpecDraft(SelfDraft(model, layers, speculative_tokens), None,
+                         "self" if layers is None else f"self:{layers}")
+    if not isinstance(draft, (str, os.PathLike)):
+        return SpecDraft(draft)
+    import bridge
+    from specjax.models.drafts import load_draft
+
+    path = os.fspath(draft)
+    cfg = bridge.read_config(path)
+    check_pair(cfg, model.config, draft_src=path, target_src=getattr(target, "source", "<module>"))
+    module = load_draft(path, target, dtype=dtype, verifier_heads=False)
+    return SpecDraft(module, cfg, path)
+
+
+def resolve_k(draft: SpecDraft, k: int | None) -> int:
+    """k from the checkpoint (``proposal_methods[0].speculative_tokens``) unless overridden; a
+    warning above what the draft was trained for; a block draft cannot propose more than its block."""
+    trained = draft.speculative_tokens
+    kk = trained if k is None else int(k)
+    if kk < 1:
+        raise ValueError(f"k (speculative tokens) must be >= 1, got {kk}")
+    mk = draft.max_k
+    if mk is not None and kk > mk:
+        raise DraftTargetMismatchError(f"k = {kk}, but a {draft.algorithm} block of draft {draft.source} proposes "
+                                       f"{mk} tokens per forward", key="k")
+    if kk > trained and draft.config is not None:
+        warnings.warn(f"k = {kk} is larger than the {trained} speculative tokens draft {draft.source} was trained "
+                      "for (proposal_methods[0].speculative_tokens); later positions will be accepted less often",
+                      stacklevel=3)
+    return kk
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class SpecState(NamedTuple):
+    dec: DecodeState
+    dcache: Any  # the draft's cache pytree
+    prop: jax.Array  # int32 [B, k] pending proposal (target ids)
+    q: jax.Array  # f32 [B, k, V] its distribution (sampled proposals) or [0] placeholder (point mass)
+    hist: jax.Array  # int32 [B, k+1]: rounds in which each sequence accepted j draft tokens
+    trace: tuple  # (proposals [R, B, k], accepted [R, B], start length [R, B], live [R, B]) or ()
+
+
+class _Pair(nnx.Module):
+    def __init__(self, target, draft):
+        self.target = target
+        self.draft = draft
+
+
+def _propose(draft, dcache, rows, next_tokens, positions, n_valid, params: SpecParams, key, vocab_size: int):
+    sample = greedy if params.greedy_proposals else sample_draft(params.sampling)
+    prop = draft.speculate(dcache, rows, next_tokens, positions, n_valid=n_valid, k=params.k, sample=sample, key=key)
+    tokens = prop.tokens[:, : params.k].astype(jnp.int32)
+    if params.greedy_proposals:
+        q = jnp.zeros((1,), jnp.float32)
+    else:
+        q = draft_probs(prop.logits[:, : params.k], params.sampling, d2t=d2t_of(draft), vocab_size=vocab_size)
+    return tokens, q, prop.cache
+
+
+def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params: SpecParams,
+              max_new_tokens: int, max_len: int, draft_len: int, pad_id: int, cache_dtype, draft_dtype,
+              trace: bool = False):
+    """The traced body of the jitted program. ``relax`` f32 [2]: (verifier_accept_k, accept_tolerance),
+    runtime values (the exact rule unless k > 1 and tolerance > 0). Returns the final :class:`SpecState`."""
+    B, P = prompt_ids.shape
+    k = params.k
+    V = target.config.vocab_size
+    taps = tuple(draft.tap_ids(target.config.num_hidden_layers))
+    dec, aux = start(target, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
+                     max_len=max_len, sampling=params.sampling, pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps)
+    kd, dkey = jax.random.split(dec.key)
+    dec = dec._replace(key=dkey)
+    # prompt rows: row j holds the target state after token j; its next token is j+1 (the first
+    # generated token for the last prompt row)
+    nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.full((B, 1), pad_id, prompt_ids.dtype)], axis=1)
+    nxt = nxt.at[jnp.arange(B), prompt_lens - 1].set(dec.last.astype(prompt_ids.dtype))
+    pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    dcache = draft.init_cache(B, draft_len, draft_dtype)
+    prop, q, dcache = _propose(draft, dcache, draft.aux_from_taps(aux), nxt, pos, prompt_lens, params, kd, V)
+    R = max(max_new_tokens - 1, 1)
+    tr = ((jnp.zeros((R, B, k), jnp.int32), jnp.zeros((R, B), jnp.int32), jnp.zeros((R, B), jnp.int32),
+           jnp.zeros((R, B), bool)) if trace else ())
+    st = SpecState(dec, dcache, prop, q, jnp.zeros((B, k + 1), jnp.int32), tr)
+    ar = jnp.arange(k + 1, dtype=jnp.int32)
+
+    def cond(s: SpecState):
+        return (s.dec.step < max_new_tokens - 1) & ~jnp.all(s.dec.done)
+
+    def body(s: SpecState):
+        d = s.dec
+        nkey, ka, kd = jax.random.split(d.key, 3)
+        L = d.cache.lengths
+        out = target(jnp.concatenate([d.last[:, None], s.prop], axis=1), cache=d.cache, tap_ids=taps)  # verify
+        res = accept(ka, out.logits, s.prop, None if params.greedy_proposals else s.q, params.sampling,
+                     verifier_accept_k=relax[0], accept_tolerance=relax[1])
+        live = ~d.done
+        n_commit = jnp.where(live, res.num_accepted + 1, 0).astype(jnp.int32)
+        d = d._replace(step=d.step + 1, cache=out.cache.rollback(L + n_commit), key=nkey)
+        d = emit(d, res.tokens, res.num_accepted + 1, eos_ids, pad_id)
+        hist = s.hist + jnp.where(live[:, None], (ar[None] == res.num_accepted[:, None]).astype(jnp.int32), 0)
+        tr = s.trace
+        if trace:
+            i = s.dec.step
+            tr = (tr[0].at[i].set(s.prop), tr[1].at[i].set(res.num_accepted), tr[2].at[i].set(L), tr[3].at[i].set(live))
+        # hand-off: target rows of the committed tokens (verify positions 0..n), next token of each
+        rows = draft.aux_from_taps(out.aux_hidden_states)
+        prop, q, dcache = _propose(draft, s.dcache, rows, res.tokens, L[:, None] + ar[None], n_commit, params, kd, V)
+        return SpecState(d, dcache, prop, q, hist, tr)
+
+    return jax.lax.while_loop(cond, body, st)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params", "max_new_tokens", "max_len", "draft_len", "pad_id",
+                                             "cache_dtype", "draft_dtype", "trace"))
+def _spec_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params, max_new_tokens,
+              max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace):
+    TRACE_COUNT["speculative"] += 1
+    pair = nnx.merge(graphdef, state)
+    st = spec_core(pair.target, pair.draft, prompt_ids, prompt_lens, limits, key, eos_ids, relax, params=params,
+                   max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len, pad_id=pad_id,
+                   cache_dtype=cache_dtype, draft_dtype=draft_dtype, trace=trace)
+    out = {"tokens": st.dec.tokens, "num_tokens": st.dec.num_tokens, "eos_hit": st.dec.eos_hit, "hist": st.hist,
+           "rounds": st.dec.step}
+    if trace:
+        out.update(proposals=st.trace[0], accepted=st.trace[1], start_length=st.trace[2], live=st.trace[3],
+                   target_cache=st.dec.cache, draft_cache=st.dcache)
+    return out
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class SpecStats:
+    """Acceptance statistics of one run. ``hist[b, j]``: rounds (target verify forwards after the
+    prefill) in which sequence b accepted exactly j of the k draft tokens."""
+
+    k: int
+    hist: np.ndarray  # int [B, k+1]
+    lossy: bool = False
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.hist.sum(0)
+
+    @property
+    def rounds(self) -> int:
+        return int(self.hist.sum())
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: tokens committed per target forward, ``E[n + 1]``."""
+        t = self.total
+        return float((t * (np.arange(self.k + 1) + 1)).sum() / max(t.sum(), 1))
+
+    @property
+    def per_position(self) -> list[float]:
+        """P(draft position i accepted) per round, i = 1..k (vLLM's per-position acceptance rate)."""
+        t = self.total
+        n = max(t.sum(), 1)
+        return [float(t[i + 1:].sum() / n) for i in range(self.k)]
+
+    @property
+    def conditional(self) -> list[float]:
+        """P(position i accepted | positions < i accepted)."""
+        t = self.total
+        out = []
+        for i in range(self.k):
+            reach = t[i:].sum()
+            out.append(float(t[i + 1:].sum() / reach) if reach else float("nan"))
+        return out
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance rate alpha solving ``(1 - a^(k+1)) / (1 - a) = tau`` (the seed's model)."""
+        return alpha_from_tau(self.tau, self.k)
+
+    def tokens_per_step(self) -> dict[int, int]:
+        t = self.total
+        return {j + 1: int(t[j]) for j in range(self.k + 1)}
+
+    def to_dict(self) -> dict:
+        return {"k": self.k, "rounds": self.rounds, "tau": round(self.tau, 4), "alpha": round(self.alpha, 4),
+                "per_position_acceptance": [round(x, 4) for x in self.per_position],
+                "conditional_acceptance": [round(x, 4) for x in self.conditional],
+                "tokens_per_step": self.tokens_per_step(), "lossy": self.lossy}
+
+    @classmethod
+    def merge(cls, stats: Sequence["SpecStats"]) -> "SpecStats":
+        return cls(stats[0].k, np.concatenate([s.hist for s in stats], 0), any(s.lossy for s in stats))
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Seed formula: tokens per verify ``(1 - a^(k+1)) / (1 - a)``."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def alpha_from_tau(tau: float, k: int) -> float:
+    if tau >= k + 1:
+        return 1.0
+    if tau <= 1.0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+def predicted_speedup(tau: float, k: int, c: float) -> float:
+    """Seed formula: wall time per token ``(k c + 1) / E[accepted]`` target forwards, so the speedup
+    over one forward per token is ``E[accepted] / (k c + 1)`` (E[accepted] = tau)."""
+    return tau / (k * c + 1.0)
+
+
+@dataclass
+class SpecResult(GenerationResult):
+    stats: SpecStats = None
+    rounds: int = 0  # loop iterations (max over the batch)
+    trace: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- host API
+
+
+def split_pair(target: CausalLM, draft):
+    return nnx.split(_Pair(target, draft))
+
+
+def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]], *, k: int | None = None,
+                             max_new_tokens: int = 64, sampling: SamplingParams = GREEDY, seed: int = 0,
+                             eos_token_ids: Sequence[int] | None = None, pad_id: int | None = None,
+                             context_length: int | None = None, prompt_bucket: int = 32,
+                             draft_sampling: str = "greedy", verifier_accept_k: int | None = None,
+                             accept_tolerance: float | None = None, lossless: bool = False, trace: bool = False,
+                             split=None) -> SpecResult:
+    """Speculative generation over token-id prompts (ragged batch), same stopping rules and
+    output format as :func:`specjax.decode.generate.generate_ids` plus acceptance statistics.
+
+    draft: a draft module with the shared decode entry, or a :class:`SpecDraft`. ``k``: default
+    the checkpoint's ``speculative_tokens``. ``draft_sampling``: "greedy" proposals (point-mass q,
+    the speculators default) or "sample" (draw from the processed draft distribution).
+    ``verifier_accept_k`` / ``accept_tolerance``: default the checkpoint's (lossy when relaxed; the
+    stats say so); ``lossless=True`` forces the exact rule. ``trace=True`` also returns per-round
+    proposals, accept counts and the final caches (tests). ``split``: a cached
+    ``split_pair(target, draft.module)`` to skip re-splitting the modules.
+    """
+    sd = as_spec_draft(draft)
+    kk = resolve_k(sd, k)
+    vak = sd.verifier_accept_k if verifier_accept_k is None else int(verifier_accept_k)
+    tol = sd.accept_tolerance if accept_tolerance is None else float(accept_tolerance)
+    if lossless:
+        vak, tol = 1, 0.0
+    params = SpecParams(k=kk, sampling=sampling, draft_sampling=draft_sampling)
+    b = prepare(target.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
+                context_length=context_length, prompt_bucket=prompt_bucket)
+    P = b.padded_len
+    max_len = P + max_new_tokens  # verify writes past it are dropped: those tokens are never emitted
+    draft_len = P + max_new_tokens + 2 * (kk + 1)
+    graphdef, state = split if split is not None else split_pair(target, sd.module)
+    ddtype = _draft_dtype(sd.module)
+    out = _spec_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
+                    jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), jnp.asarray([vak, tol], jnp.float32),
+                    params=params,
+                    max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len), pad_id=b.pad,
+                    cache_dtype=cache_dtype_of(target), draft_dtype=ddtype, trace=bool(trace))
+    out = jax.device_get(out)
+    toks, num, eos_hit = out["tokens"], out["num_tokens"], out["eos_hit"]
+    res = SpecResult(tokens=[toks[i, : num[i]].tolist() for i in range(len(prompts))],
+                     stop_reasons=["eos" if e else "length" for e in eos_hit], prompt_lengths=b.lens.tolist(),
+                     stats=SpecStats(kk, np.asarray(out["hist"]), is_lossy(vak, tol)), rounds=int(out["rounds"]))
+    if trace:
+        res.trace = {key: out[key] for key in ("proposals", "accepted", "start_length", "live", "target_cache",
+                                               "draft_cache")}
+    return res
+
+
+def _draft_dtype(module):
+    for name in ("embed_tokens", "fc", "lm_head"):
+        m = getattr(module, name, None)
+        for attr in ("embedding", "kernel"):
+            v = getattr(m, attr, None) if m is not None else None
+            if v is not None:
+                return jnp.dtype(v[...].dtype)
+    return jnp.dtype(jnp.float32)
+
+
+def speculative_generate(prompts, *, target=None, draft="self", chat: bool = False, max_new_tokens: int = 64,
+                         k: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                         seed: int = 0, dtype=None, eos_token_ids: Sequence[int] | None = None, cache_dir=None,
+                         draft_sampling: str = "greedy", lossless: bool = False) -> tuple[list[Completion], SpecStats]:
+    """Speculative counterpart of :func:`specjax.decode.generate.generate`: the same prompts/target
+    arguments, plus ``draft`` (a speculators checkpoint directory, ``"self"`` / ``"self:M"``, a
+    module or a :class:`SpecDraft`) and ``k``. Returns the completions and the acceptance stats."""
+    lt = _get_target(target, dtype, cache_dir)
+    sd = load_spec_draft(draft, lt, dtype=dtype)
+    ids = encode_prompts(lt, prompts, chat=chat)
+    eos = lt.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+    tok = lt.tokenizer
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
+    res = speculative_generate_ids(lt.model, sd, ids, k=k, max_new_tokens=max_new_tokens,
+                                   sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+                                   seed=seed, eos_token_ids=eos, pad_id=pad, draft_sampling=draft_sampling,
+                                   lossless=lossless)
+    return completions(lt, ids, res), res.stats
