@@ -26,6 +26,19 @@ class Executed:
     results: dict[str, str]
     cell_seconds: list[float] = field(default_factory=list)
     text: str = ""
+    notebook: object = None  # the executed nbformat notebook (outputs included)
+
+    def images(self) -> list[bytes]:
+        """PNG images the notebook displayed (last version of each updated display)."""
+        import base64
+
+        out = []
+        for cell in self.notebook.cells if self.notebook is not None else []:
+            for o in cell.get("outputs", []):
+                png = o.get("data", {}).get("image/png")
+                if png:
+                    out.append(base64.b64decode(png))
+        return out
 
     def num(self, key: str) -> float:
         assert key in self.results, f"{self.path.name} printed no RESULT {key}=...; got {sorted(self.results)}"
@@ -103,7 +116,7 @@ def run_notebook(name: str, workdir: Path, *, timeout: int = 600, env: dict[str,
         os.environ.clear()
         os.environ.update(saved)
     text = stream_text(nb)
-    return Executed(path, seconds, parse_results(text), times, text)
+    return Executed(path, seconds, parse_results(text), times, text, nb)
 
 
 def report(ex: Executed) -> None:
