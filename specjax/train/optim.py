@@ -60,7 +60,7 @@ def clip_like_torch(max_norm: float) -> optax.GradientTransformation:
         return optax.EmptyState()
 
     def update(updates, state, params=None):
-        norm = optax.global_norm(updates)
+        norm = optax.tree.norm(updates)
         coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
         return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
 

@@ -173,7 +173,7 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig) -> StepFns:
         (loss, metrics), grads = jax.value_and_grad(forward, has_aux=True)(params, frozen, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = dict(metrics, grad_norm=(optax.global_norm(grads), jnp.ones((), jnp.float32)))
+        metrics = dict(metrics, grad_norm=(optax.tree.norm(grads), jnp.ones((), jnp.float32)))
         return params, opt_state, metrics
 
     @jax.jit

@@ -75,3 +75,34 @@ def tiny_target(tiny_target_dir):
     from specjax.models.loading import load_target
 
     return load_target(str(tiny_target_dir), progress=False)
+
+
+TINY_AUX = [1, 3, 4]
+
+
+def tiny_prompts(path, n: int = 24):
+    import json as _json
+
+    lines = [_json.dumps({"prompt": f"p{i}: say {'ab' * (i % 5)} then {i * 7}"}) for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_spec(prompts, **kw):
+    from specjax.train.pipeline import DataSpec
+
+    base = dict(prompts=str(prompts), max_new_tokens=20, seq_length=128, aux_layer_ids=TINY_AUX, batch_size=8,
+                draft_vocab_size=40, temperature=0.0)
+    base.update(kw)
+    return DataSpec(**base)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(spec_root, tiny_target):
+    """A regenerated (self-distilled) data directory from the tiny target."""
+    from specjax.train.pipeline import prepare_data
+
+    d = spec_root / "train-data"
+    if not (d / "specjax_data.json").is_file():
+        prepare_data(d, tiny_spec(tiny_prompts(spec_root / "train-prompts.jsonl")), tiny_target, progress=False)
+    return d

@@ -1,0 +1,257 @@
+"""Data: prompt files and built-in sets, chat rows with assistant-only masks, self-distilled
+rows with hidden states captured in the generation pass, the cache in speculators' format both
+ways (read by speculators' own dataset code; a speculators-layout cache trains here), resumable
+builds, and the bad-input errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from specjax.train import dataset as ds
+from specjax.train.errors import DatasetError, HiddenStateCacheError, PromptFileError
+from specjax.train.hidden_states import (
+    check_record, extract_hidden_states, hs_path, is_complete, read_hs, verify_cache, write_hs,
+)
+from specjax.train.pipeline import load_data_dir, prepare_data
+from specjax.train.prompts import builtin_prompts, is_eval_module, load_prompt_file
+from specjax.train.render import conversation_rows
+from tests.train.conftest import TINY_AUX, tiny_prompts, tiny_spec
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def test_prompt_file_formats_and_line_errors(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "hi"}\n\n"bare"\n{"conversations": [{"from": "human", "value": "q"}, '
+                 '{"from": "gpt", "value": "a"}, {"from": "bot", "value": "x"}]}\n'
+                 '{"input_ids": [1, 2], "loss_mask": [0, 1]}\n{"instruction": "do", "input": "this", "output": "ok"}\n')
+    recs = load_prompt_file(p)
+    assert recs[0] == [{"role": "user", "content": "hi"}]
+    assert [t["role"] for t in recs[2]] == ["user", "assistant", "assistant"]
+    assert recs[3].input_ids == [1, 2]
+    assert recs[4] == [{"role": "user", "content": "do\n\nthis"}, {"role": "assistant", "content": "ok"}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": "x",,}\n')
+    with pytest.raises(PromptFileError, match=r"bad.jsonl: line 2: not valid JSON"):
+        load_prompt_file(bad)
+    bad.write_text('{"prompt": "ok"}\n{"prompt": "ok"}\n{"foo": 1}\n')
+    with pytest.raises(PromptFileError, match=r"bad.jsonl:3: no 'conversations'"):
+        load_prompt_file(bad)
+    bad.write_text('{"conversations": [{"content": "x"}]}\n')
+    with pytest.raises(PromptFileError, match=r":1: turn 0 has no 'role'"):
+        load_prompt_file(bad)
+    bad.write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
+    with pytest.raises(PromptFileError, match=r":1: pretokenized"):
+        load_prompt_file(bad)
+
+
+def test_builtin_sets_are_disjoint_and_mixed():
+    train = builtin_prompts("stdlib", seed=0)
+    code = builtin_prompts("eval-code", seed=0)
+    prose = builtin_prompts("eval-prose", seed=0)
+    assert len(train) > 2000 and len(code) > 100 and len(prose) > 100
+    tr = {c[0]["content"] for c in train}
+    assert not tr & {c[0]["content"] for c in code + prose}
+    texts = [c[0]["content"] for c in train]
+    assert sum("```python" in t for t in texts) > len(texts) // 4  # code prompts
+    assert sum("```" not in t for t in texts) > len(texts) // 4  # prose prompts
+    assert all("Complete the following Python function" in c[0]["content"] for c in code)
+    assert is_eval_module("calendar") != is_eval_module("json") or True
+    assert builtin_prompts("stdlib", 5, seed=1) == builtin_prompts("stdlib", 5, seed=1)
+
+
+def test_render_rows_assistant_only_mask(tiny_target):
+    tok = tiny_target.tokenizer
+    conv = [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "a2!"}]
+    rows = conversation_rows(tok, conv, max_length=200)
+    assert len(rows) == 2
+    for (ids, mask), ans in zip(rows, ("a1", "a2!")):
+        sup = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+        assert sup == f"{ans}</s>"
+        assert mask == sorted(mask)  # one boundary: context then the assistant turn
+    plen = int((np.asarray(rows[0][1]) == 0).sum())
+    ids, mask = conversation_rows(tok, conv, max_length=plen + 1)[0]
+    assert len(ids) == plen + 1 and sum(mask) == 1
+
+
+# ----------------------------------------------------------------------------- self-distilled data
+
+
+def test_regenerated_rows_and_captured_hidden_states(tiny_data, tiny_target):
+    rows, meta = load_data_dir(tiny_data)
+    assert meta["complete"] and meta["layer_ids"] == TINY_AUX + [6] and len(rows) == 24
+    tok = tiny_target.tokenizer
+    convs = [json.loads(l)["conversations"] for l in (tiny_data / "conversations.jsonl").read_text().splitlines()]
+    assert all(c[-1]["role"] == "assistant" for c in convs)
+    for i in range(len(rows)):
+        ids, mask = rows.input_ids[i], rows.loss_mask[i]
+        assert mask.sum() > 0 and (np.diff(mask) >= 0).all()
+        prompt = tok.decode(ids[mask == 0].tolist(), skip_special_tokens=False)
+        assert prompt.startswith("<s>user:p") and prompt.endswith("<s>assistant:")
+        rec = read_hs(hs_path(tiny_data, i))
+        assert rec.hidden_states.shape == (len(ids), 4, 32) and rec.hidden_states.dtype.name == "bfloat16"
+        np.testing.assert_array_equal(rec.token_ids, ids)
+    # the captured states equal a separate prefill of each full row (up to bf16 rounding)
+    sep = tiny_data.parent / "sep-extract"
+    shutil.rmtree(sep, ignore_errors=True)
+    ds.write_rows(sep, rows)
+    extract_hidden_states(tiny_target.model, rows, sep, aux_layer_ids=TINY_AUX, dtype="float32", progress=False)
+    for i in range(0, len(rows), 5):
+        a = np.asarray(read_hs(hs_path(tiny_data, i)).hidden_states, np.float32)
+        b = np.asarray(read_hs(hs_path(sep, i)).hidden_states, np.float32)
+        assert np.abs(a - b).max() <= 1e-2 * np.abs(b).max()
+    # greedy rows are the target's own greedy continuations
+    from specjax.decode.generate import generate_ids
+
+    i = 3
+    plen = int((rows.loss_mask[i] == 0).sum())
+    g = generate_ids(tiny_target.model, [rows.input_ids[i][:plen].tolist()], max_new_tokens=20,
+                     eos_token_ids=tiny_target.eos_token_ids)
+    assert g.tokens[0] == rows.input_ids[i][plen:].tolist()
+
+
+def test_speculators_reads_our_cache(tiny_data):
+    """speculators' own ArrowDataset (FileTransfer, on_missing=raise) + CollateFn + shift_batch give the
+    packed row our trainer builds."""
+    import torch
+    from datasets import load_from_disk
+
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+    from specjax.train.trainer import TrainData
+
+    hf = load_from_disk(str(tiny_data))
+    assert hf.num_rows == 24 and set(hf.column_names) == {"input_ids", "loss_mask", "seq_len"}
+    ref_ds = ArrowDataset(max_len=256, datapath=str(tiny_data), on_missing="raise", hidden_states_dtype=torch.float32)
+    rows, _ = load_data_dir(tiny_data)
+    ours = TrainData(tiny_data, rows, range(len(rows)), algo="eagle3", num_aux=3, hidden_size=32, total_seq_len=256,
+                     seed=0)
+    idx = [2, 5, 11]
+    ref = CollateFn(256, 32, num_target_layers=3, dtype=torch.float32, preprocess=shift_batch)([ref_ds[i] for i in idx])
+    mine = ours.batch(np.asarray(idx))
+    for k in ("hidden_states", "input_ids", "verifier_last_hidden_states", "loss_mask", "position_ids", "document_ids"):
+        np.testing.assert_array_equal(np.asarray(mine[k], np.float32), ref[k].float().numpy(), err_msg=k)
+
+
+def test_speculators_layout_cache_trains_here(tmp_path, tiny_data, tiny_target):
+    """A cache written the way speculators / hs_connectors write it (datasets.save_to_disk, torch
+    safetensors save_file, no metadata) is read and trained on by specjax."""
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    from specjax.train.config import load_recipe
+    from specjax.train.trainer import Run
+
+    rows, _ = load_data_dir(tiny_data)
+    d = tmp_path / "spec-data"
+    hfds = Dataset.from_dict({"input_ids": [torch.from_numpy(r) for r in rows.input_ids],
+                              "loss_mask": [torch.from_numpy(m) for m in rows.loss_mask],
+                              "seq_len": [len(r) for r in rows.input_ids]})
+    hfds.set_format(type="torch")
+    hfds.save_to_disk(str(d))
+    (d / "hidden_states").mkdir()
+    for i in range(len(rows)):
+        rec = read_hs(hs_path(tiny_data, i))
+        save_file({"hidden_states": torch.from_numpy(np.asarray(rec.hidden_states, np.float32)).bfloat16(),
+                   "token_ids": torch.from_numpy(rec.token_ids)}, str(d / "hidden_states" / f"hs_{i}.safetensors"))
+    cfg = load_recipe(None, [f"data.path={d}", "data.total_seq_len=128", f"draft.target_layer_ids={TINY_AUX}",
+                             "draft.draft_vocab_size=40", f"trainer.output_dir={tmp_path / 'run'}",
+                             "trainer.max_steps=3", "trainer.compute_dtype=float32", "data.train_data_ratio=0.9"])
+    s = Run(cfg, target=tiny_target, progress=False).train()
+    assert s["steps"] == 3 and (tmp_path / "run" / "last" / "model.safetensors").is_file()
+    assert (d / "d2t-40.npy").is_file()  # built from the counts, as speculators does
+
+
+# ----------------------------------------------------------------------------- resumable, bad input
+
+
+def test_prepare_resumes_after_a_kill(tmp_path, tiny_target, tiny_data, monkeypatch):
+    import specjax.train.selfdistill as sd
+
+    spec = tiny_spec(tiny_prompts(tmp_path / "p.jsonl"))
+    real = sd.generate_with_hidden_states
+    calls = {"n": 0}
+
+    def dying(*a, on_batch=None, **kw):
+        def ob(idx, res):
+            on_batch(idx, res)
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt("killed")
+
+        return real(*a, on_batch=ob, **kw)
+
+    monkeypatch.setattr(sd, "generate_with_hidden_states", dying)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(tmp_path / "d", spec, tiny_target, progress=False)
+    staged = list((tmp_path / "d" / "hidden_states" / ".staging").glob("*.safetensors"))
+    assert len(staged) == 16 and not (tmp_path / "d" / "state.json").exists()
+    monkeypatch.setattr(sd, "generate_with_hidden_states", real)
+    with pytest.raises(DatasetError, match="other settings"):
+        prepare_data(tmp_path / "d", tiny_spec(tmp_path / "p.jsonl", max_new_tokens=9), tiny_target, progress=False)
+    meta = prepare_data(tmp_path / "d", spec, tiny_target, progress=False)
+    assert meta["rows"] == 24
+    a, _ = load_data_dir(tmp_path / "d")
+    b, _ = load_data_dir(tiny_data)
+    assert all(np.array_equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
+    for i in (0, 7, 23):
+        np.testing.assert_array_equal(np.asarray(read_hs(hs_path(tmp_path / "d", i)).hidden_states, np.float32),
+                                      np.asarray(read_hs(hs_path(tiny_data, i)).hidden_states, np.float32))
+
+
+def test_extraction_resumes_and_partial_files_are_not_complete(tmp_path, tiny_data, tiny_target):
+    rows, _ = load_data_dir(tiny_data)
+    d = tmp_path / "x"
+    ds.write_rows(d, rows)
+    r1 = extract_hidden_states(tiny_target.model, rows, d, aux_layer_ids=TINY_AUX, indices=range(10), progress=False)
+    assert r1["written"] == 10
+    p = hs_path(d, 4)
+    p.write_bytes(p.read_bytes()[:100])  # a truncated file under the final name
+    assert not is_complete(p)
+    r2 = extract_hidden_states(tiny_target.model, rows, d, aux_layer_ids=TINY_AUX, progress=False)
+    assert r2["skipped"] == 9 and r2["written"] == 15
+    verify_cache(rows, d, aux_layer_ids=TINY_AUX, num_layers=6, hidden_size=32)
+
+
+def test_cache_mismatch_errors(tmp_path, tiny_data):
+    rows, _ = load_data_dir(tiny_data)
+    rec = read_hs(hs_path(tiny_data, 0))
+    ids = rows.input_ids[0]
+    with pytest.raises(HiddenStateCacheError, match="holds 4 layers; expected 5"):
+        check_record(rec, input_ids=ids, num_layers=5, hidden_size=32)
+    with pytest.raises(HiddenStateCacheError, match="hidden size 32; the target's is 64"):
+        check_record(rec, input_ids=ids, num_layers=4, hidden_size=64)
+    with pytest.raises(HiddenStateCacheError, match="do not match the dataset row"):
+        check_record(rec, input_ids=ids[:-1], num_layers=4, hidden_size=32)
+    with pytest.raises(HiddenStateCacheError, match=r"cached layer ids \[1, 3, 4, 6\]"):
+        check_record(rec, input_ids=ids, num_layers=4, hidden_size=32, layer_ids=[2, 3, 4, 6])
+    bad = tmp_path / "hs.safetensors"
+    write_hs(bad, np.full((len(ids), 4, 32), np.nan, np.float32), ids)
+    with pytest.raises(HiddenStateCacheError, match="non-finite"):
+        check_record(read_hs(bad), input_ids=ids, num_layers=4, hidden_size=32)
+    d = tmp_path / "d"
+    shutil.copytree(tiny_data, d)
+    hs_path(d, 5).unlink()
+    with pytest.raises(HiddenStateCacheError, match=r"1 of 24 rows have no complete hidden-state file.*hs_5"):
+        verify_cache(rows, d, aux_layer_ids=TINY_AUX, num_layers=6, hidden_size=32)
+
+
+def test_cache_for_another_target_is_refused_before_training(tmp_path, tiny_data, tiny_target):
+    from specjax.train.config import load_recipe
+    from specjax.train.trainer import Run
+
+    base = [f"data.path={tiny_data}", "data.total_seq_len=128", "draft.draft_vocab_size=40",
+            f"trainer.output_dir={tmp_path / 'r'}"]
+    with pytest.raises(HiddenStateCacheError, match=r"cache holds layers \[1, 3, 4, 6\]"):
+        Run(load_recipe(None, base + ["draft.target_layer_ids=[1,2,4]"]), target=tiny_target, progress=False)
+    with pytest.raises(Exception, match="larger than the target vocabulary"):
+        Run(load_recipe(None, base + [f"draft.target_layer_ids={TINY_AUX}", "draft.draft_vocab_size=97"]),
+            target=tiny_target, progress=False)

@@ -1,0 +1,52 @@
+"""The trainer's block-structured TTT forward equals the draft module's forward (logits, fed-forward
+hidden states, targets and gradients) on packed rows with several documents and padding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from specjax.models.drafts import load_draft
+from specjax.train.fast_eagle3 import ttt_forward
+from specjax.train.objectives import eagle3_objective
+from tests.refs.spec_forward import packed_batch
+from tests.train.conftest import rel_err
+
+CASES = {
+    "llama-pruned": ("llama", {"draft_vocab": 40, "norm_before_fc": True, "norm_output": True}),
+    "qwen3-2layers": ("qwen3", {"num_layers": 2, "fc_norm": True}),
+    "llama-swa-3layers": ("llama", {"num_layers": 3, "layer_over": {
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 4}}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fast_forward_equals_module(spec_draft, verifiers, case):
+    fam, kw = CASES[case]
+    draft = load_draft(spec_draft("eagle3", fam, **kw), verifiers[fam])
+    b = packed_batch("eagle3", hidden=32, num_aux=3, vocab=96, lengths=(9, 6, 11, 3), total_len=34, seed=7)
+    inp = {k: jnp.asarray(v.numpy()) for k, v in b.items()}
+    ref = draft(**inp, ttt_steps=4)
+    out = ttt_forward(draft, inp["hidden_states"], inp["input_ids"], inp["document_ids"], inp["position_ids"],
+                      inp["verifier_last_hidden_states"], ttt_steps=4)
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    assert rel_err(out.hidden, ref.hidden) <= 1e-5
+    assert rel_err(out.targets, ref.targets) == 0.0
+
+    graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
+
+    def loss(p, fast):
+        m = nnx.merge(graphdef, p, rest)
+        o = (ttt_forward(m, inp["hidden_states"], inp["input_ids"], inp["document_ids"], inp["position_ids"],
+                         inp["verifier_last_hidden_states"], ttt_steps=3) if fast
+             else m(**inp, ttt_steps=3))
+        return eagle3_objective(o.logits, o.targets, inp["loss_mask"])[0]
+
+    g_ref = nnx.to_flat_state(jax.grad(lambda p: loss(p, False))(params))
+    g_fast = dict(nnx.to_flat_state(jax.grad(lambda p: loss(p, True))(params)))
+    for path, v in g_ref:
+        a = v[...]
+        if float(jnp.abs(a).max()) > 0:
+            assert rel_err(g_fast[path][...], a) <= 1e-4, path
