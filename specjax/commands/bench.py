@@ -1,0 +1,88 @@
+"""`specjax bench`: target-only vs speculative decoding over a prompt file (one process)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from specjax.commands.common import console, fail
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench_cmd)
+
+
+def bench_cmd(
+    prompts: str = typer.Option(..., "--prompts", help="JSONL: one prompt per line (a string, or {prompt|text|"
+                                "messages|prompt_ids})"),
+    target: str = typer.Option("default", "--target", "-t",
+                               help="'default' (embedded SmolLM2), a .gguf file, an HF model dir, or a cached HF repo id"),
+    draft: str = typer.Option("self", "--draft", "-d",
+                              help="a speculators draft directory, or 'self' / 'self:M' (a draft from the target's "
+                                   "first M layers; 'self' = all layers, an oracle)"),
+    k: Optional[int] = typer.Option(None, "--k", min=1, help="draft tokens per round (default: the checkpoint's)"),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
+    top_k: int = typer.Option(0, "--top-k", min=0),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1),
+    batch_size: int = typer.Option(4, "--batch-size", "-b", min=1),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="use only the first N prompts"),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="render string prompts with the chat template"),
+    draft_sampling: str = typer.Option("greedy", "--draft-sampling",
+                                       help="greedy (speculators default, point-mass q) | sample"),
+    lossless: bool = typer.Option(False, "--lossless", help="ignore the checkpoint's verifier_accept_k/accept_tolerance"),
+    seed: int = typer.Option(0, "--seed"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (keep) | float32 | bfloat16 | float16"),
+    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="cache a dequantised GGUF as an HF dir here"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON line"),
+    plot_path: Optional[str] = typer.Option(None, "--plot", help="write a PNG: per-position acceptance and the "
+                                            "tokens-per-step histogram"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="progress bar over prompts (stderr)"),
+):
+    """Measure speculative decoding against the target alone: acceptance (tau, per position), tokens/s,
+    speedup, the draft/target cost ratio c and the speedup the formula predicts from them."""
+    from bridge.errors import BridgeError
+    from specjax.decode import bench
+    from specjax.decode.sampling import SamplingParams
+    from specjax.decode.speculative import load_spec_draft
+    from specjax.models.loading import load_target
+
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        if draft_sampling not in ("greedy", "sample"):
+            raise ValueError(f"--draft-sampling must be 'greedy' or 'sample', got {draft_sampling!r}")
+        raw = bench.load_prompts(prompts, limit=limit)
+        lt = load_target(target, dtype=None if dtype == "auto" else dtype, cache_dir=cache_dir, progress=progress)
+        sd = load_spec_draft(draft, lt, dtype=None if dtype == "auto" else dtype)
+        ids = bench.encode(lt, raw, chat=chat)
+        tok = lt.tokenizer
+        rep = bench.run_bench(lt.model, sd, ids, k=k, sampling=sampling, max_new_tokens=max_new_tokens,
+                              batch_size=batch_size, seed=seed, eos_token_ids=lt.eos_token_ids,
+                              pad_id=tok.pad_token_id if tok is not None else None, draft_sampling=draft_sampling,
+                              lossless=lossless, progress=progress, extra={"target": lt.source})
+        if plot_path:
+            bench.plot(rep, plot_path)
+            rep.data["plot"] = plot_path
+    except (BridgeError, ValueError) as e:
+        fail(e, code=getattr(e, "exit_code", 2))
+    d = rep.data
+    if as_json:
+        print(json.dumps(d))
+        return
+    out = console()
+    out.print(f"[bold]{d['algorithm']}[/bold] draft {d['draft']} on {d['target']}: k={d['k']}, "
+              f"{d['prompts']} prompts, batch {d['batch_size']}, temperature {d['temperature']}", markup=True)
+    out.print(f"tau {d['tau']:.3f} tokens/forward (alpha {d['alpha']:.3f}); per-position acceptance "
+              + ", ".join(f"{x:.2f}" for x in d["per_position_acceptance"]) + (" [lossy]" if d["lossy"] else ""))
+    out.print(f"target-only {d['target_only']['tok_s']:.1f} tok/s, speculative {d['speculative']['tok_s']:.1f} tok/s: "
+              f"speedup {d['speedup']:.2f}x")
+    c = d["cost"]
+    out.print(f"cost: c = {c['c']:.3f} (draft round {c['draft_round_ms']:.1f} ms / k x step {c['target_step_ms']:.1f} ms), "
+              f"verify {c['verify_overhead']:.2f}x a step")
+    out.print(f"predicted {d['predicted_speedup']:.2f}x (tau/(k c + 1)); measured/predicted "
+              f"{d['speedup_over_predicted']:.2f}; with the measured verify cost {d['predicted_speedup_with_verify_cost']:.2f}x "
+              f"(ratio {d['speedup_over_predicted_with_verify_cost']:.2f})")
+    if "identical_greedy_outputs" in d:
+        out.print(f"identical greedy outputs: {d['identical_greedy_outputs']}")

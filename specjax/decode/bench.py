@@ -1,0 +1,291 @@
+"""Target-only vs speculative decoding over the same prompts, in one process.
+
+:func:`run_bench` pads every prompt to one bucket and every batch to ``batch_size`` (so each
+loop compiles once; compile time is measured on a warm-up batch and excluded), then per batch
+times target-only generation and speculative generation back to back (interleaved, so a change
+in machine load hits both alike). It reports:
+
+* acceptance: ``tau`` (tokens committed per target forward), per-position and conditional
+  acceptance rates, the tokens-per-step histogram, and the per-token ``alpha`` that the seed's
+  model ``E = (1 - a^(k+1)) / (1 - a)`` maps to ``tau``;
+* throughput: generated tokens per second of both, and the measured speedup;
+* cost: :func:`measure_costs` times, at the loop's own shapes, one target decode step (T=1), one
+  verify forward (T=k+1) and one draft round (``speculate``: ingest k+1 rows, propose k), giving
+  the draft/target cost ratio ``c = t_draft / (k * t_step)`` and the verify overhead
+  ``v = t_verify / t_step``;
+* the seed's prediction ``tau / (k c + 1)`` (it charges verification like one decode step) and
+  the same with the measured verify cost, ``tau / (k c + v)``, and measured / predicted.
+
+Padding sequences (to fill the last batch) are generated and timed but not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.decode.generate import bucket, generate_ids
+from specjax.decode.sampling import GREEDY, SamplingParams
+from specjax.decode.speculative import (
+    SpecDraft, SpecStats, alpha_from_tau, predicted_speedup, resolve_k, speculative_generate_ids, split_pair,
+)
+from specjax.models.drafts.common import greedy
+from specjax.models.target import KVCache
+
+
+class PromptFileError(ValueError):
+    """A --prompts file that is missing, empty or has a line that is not a prompt."""
+
+
+def load_prompts(path: str | Path, *, limit: int | None = None) -> list:
+    """JSONL prompts, one per line: a JSON string, or an object with ``prompt`` / ``text`` (a
+    string), ``messages`` (a chat: list of {role, content}), or ``prompt_ids`` / ``token_ids``
+    (token ids). Blank lines are skipped."""
+    p = Path(path)
+    if not p.is_file():
+        raise PromptFileError(f"prompts file {p} does not exist")
+    out: list = []
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError as e:
+            raise PromptFileError(f"{p}:{i}: not JSON ({e.msg}); expected one JSON prompt per line") from None
+        if isinstance(doc, str):
+            out.append(doc)
+        elif isinstance(doc, dict) and isinstance(doc.get("messages"), list):
+            out.append(list(doc["messages"]))
+        elif isinstance(doc, dict) and isinstance(doc.get("prompt", doc.get("text")), str):
+            out.append(doc.get("prompt", doc.get("text")))
+        elif isinstance(doc, dict) and isinstance(doc.get("prompt_ids", doc.get("token_ids")), list):
+            out.append([int(t) for t in doc.get("prompt_ids", doc.get("token_ids"))])
+        else:
+            raise PromptFileError(f"{p}:{i}: expected a string or an object with 'prompt', 'text', 'messages' or "
+                                  f"'prompt_ids'; got {type(doc).__name__} {str(doc)[:60]!r}")
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise PromptFileError(f"prompts file {p} holds no prompts")
+    return out
+
+
+def encode(lt, prompts: Sequence, *, chat: bool = True) -> list[list[int]]:
+    """Prompts from :func:`load_prompts` -> token ids (strings through the chat template when ``chat``)."""
+    tok = lt.tokenizer
+    ids = []
+    for p in prompts:
+        if isinstance(p, list) and (not p or isinstance(p[0], int)):
+            ids.append([int(t) for t in p])
+            continue
+        if tok is None:
+            raise PromptFileError(f"target {lt.source} has no tokenizer; use 'prompt_ids' prompts")
+        if isinstance(p, list):
+            ids.append(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
+        elif chat:
+            ids.append(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=True))
+        else:
+            ids.append(tok.encode(p))
+    return ids
+
+
+# ----------------------------------------------------------------------------- costs
+
+
+def _timeit(fn, *args, iters: int = 5) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens: int, k: int, iters: int = 5,
+                  split=None) -> dict:
+    """Best-of-``iters`` seconds of one target decode step, one verify forward and one draft round
+    at the speculative loop's shapes (caches of the loop's sizes, half full)."""
+    graphdef, state = split if split is not None else split_pair(target, draft)
+    cfg = target.config
+    S = prompt_len + max_new_tokens
+    fill = jnp.full((batch,), prompt_len + max_new_tokens // 2, jnp.int32)
+    dtype = target.model.embed_tokens.embedding[...].dtype
+    tcache = KVCache.init(cfg, batch, S, dtype, lengths=fill)
+    taps = tuple(draft.tap_ids(cfg.num_hidden_layers))
+
+    @jax.jit
+    def step(state, ids, cache):
+        pair = nnx.merge(graphdef, state)
+        out = pair.target(ids, cache=cache, logits_at=jnp.zeros((ids.shape[0],), jnp.int32))
+        return out.logits, out.cache.lengths
+
+    @jax.jit
+    def verify(state, ids, cache):
+        pair = nnx.merge(graphdef, state)
+        out = pair.target(ids, cache=cache, tap_ids=taps)
+        return out.logits, out.aux_hidden_states
+
+    ids1 = jnp.ones((batch, 1), jnp.int32)
+    idsk = jnp.ones((batch, k + 1), jnp.int32)
+    t_step = _timeit(step, state, ids1, tcache, iters=iters)
+    t_verify = _timeit(verify, state, idsk, tcache, iters=iters)
+    _, aux = verify(state, idsk, tcache)
+
+    @jax.jit
+    def draft_round(state, aux, ids, pos, nv):
+        pair = nnx.merge(graphdef, state)
+        d = pair.draft
+        dcache = d.init_cache(batch, S + 2 * (k + 1), dtype, lengths=fill)
+        prop = d.speculate(dcache, d.aux_from_taps(aux), ids, pos, n_valid=nv, k=k, sample=greedy)
+        return prop.tokens
+
+    pos = fill[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
+    t_draft = _timeit(draft_round, state, aux, idsk, pos, jnp.full((batch,), k + 1, jnp.int32), iters=iters)
+    return {"target_step_ms": round(1e3 * t_step, 3), "verify_ms": round(1e3 * t_verify, 3),
+            "draft_round_ms": round(1e3 * t_draft, 3), "c": t_draft / (k * t_step), "verify_overhead": t_verify / t_step}
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+@dataclass
+class BenchReport:
+    data: dict
+
+    def to_json(self) -> str:
+        return json.dumps(self.data)
+
+
+def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, k: int | None = None,
+              sampling: SamplingParams = GREEDY, max_new_tokens: int = 64, batch_size: int = 4, seed: int = 0,
+              eos_token_ids: Sequence[int] | None = None, pad_id: int | None = None, draft_sampling: str = "greedy",
+              lossless: bool = False, progress: bool = True, cost_iters: int = 5, extra: dict | None = None) -> BenchReport:
+    """Run the comparison (see the module docstring). ``target``: a ``CausalLM``; ``draft``: a
+    :class:`SpecDraft`; prompts as token ids. Returns a :class:`BenchReport` (``.data`` dict)."""
+    from tqdm.auto import tqdm
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    prompts = [list(p) for p in prompt_ids]
+    if not prompts:
+        raise ValueError("no prompts given")
+    kk = resolve_k(draft, k)
+    P = bucket(max(len(p) for p in prompts))
+    batches = []
+    for i in range(0, len(prompts), batch_size):
+        real = prompts[i:i + batch_size]
+        batches.append((real + [prompts[0]] * (batch_size - len(real)), len(real)))
+    split = split_pair(target, draft.module)
+    common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, pad_id=pad_id,
+                  prompt_bucket=P)
+
+    def base(b, s):
+        return generate_ids(target, b, seed=s, **common)
+
+    def spec(b, s):
+        return speculative_generate_ids(target, draft, b, k=kk, seed=s, draft_sampling=draft_sampling,
+                                        lossless=lossless, split=split, **common)
+
+    t0 = time.perf_counter()
+    base(batches[0][0], seed)
+    compile_base = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    spec(batches[0][0], seed)
+    compile_spec = time.perf_counter() - t0
+    t_base = t_spec = 0.0
+    n_base = n_spec = 0
+    stats: list[SpecStats] = []
+    same = 0
+    bar = tqdm(total=len(prompts), desc="bench", unit="prompt", disable=not progress, leave=False)
+    for j, (b, n_real) in enumerate(batches):
+        t0 = time.perf_counter()
+        rb = base(b, seed + j)
+        t1 = time.perf_counter()
+        rs = spec(b, seed + j)
+        t2 = time.perf_counter()
+        t_base += t1 - t0
+        t_spec += t2 - t1
+        n_base += sum(len(t) for t in rb.tokens[:n_real])
+        n_spec += sum(len(t) for t in rs.tokens[:n_real])
+        same += sum(a == c for a, c in zip(rb.tokens[:n_real], rs.tokens[:n_real]))
+        stats.append(SpecStats(rs.stats.k, rs.stats.hist[:n_real], rs.stats.lossy))
+        bar.update(n_real)
+    bar.close()
+    compile_base -= t_base / len(batches)
+    compile_spec -= t_spec / len(batches)
+    st = SpecStats.merge(stats)
+    cost = measure_costs(target, draft.module, batch=batch_size, prompt_len=P, max_new_tokens=max_new_tokens, k=kk,
+                         iters=cost_iters, split=split)
+    tps_base, tps_spec = n_base / t_base, n_spec / t_spec
+    speedup = tps_spec / tps_base
+    pred = predicted_speedup(st.tau, kk, cost["c"])
+    pred_v = st.tau / (kk * cost["c"] + cost["verify_overhead"])
+    data: dict[str, Any] = {
+        "bench": "spec_decode", "draft": draft.source, "algorithm": draft.algorithm, "k": kk,
+        "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+        "draft_sampling": "greedy" if sampling.greedy else draft_sampling, "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens, "prompts": len(prompts), "prompt_bucket": P,
+        "tau": round(st.tau, 4), "alpha": round(alpha_from_tau(st.tau, kk), 4),
+        "per_position_acceptance": [round(x, 4) for x in st.per_position],
+        "conditional_acceptance": [round(x, 4) for x in st.conditional],
+        "tokens_per_step": st.tokens_per_step(), "rounds": st.rounds, "lossy": st.lossy,
+        "target_only": {"tokens": n_base, "seconds": round(t_base, 3), "tok_s": round(tps_base, 2)},
+        "speculative": {"tokens": n_spec, "seconds": round(t_spec, 3), "tok_s": round(tps_spec, 2)},
+        "speedup": round(speedup, 3),
+        "cost": {**{k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in cost.items()}},
+        "predicted_speedup": round(pred, 3),
+        "speedup_over_predicted": round(speedup / pred, 3),
+        "predicted_speedup_with_verify_cost": round(pred_v, 3),
+        "speedup_over_predicted_with_verify_cost": round(speedup / pred_v, 3),
+        "compile_s": {"target_only": round(compile_base, 2), "speculative": round(compile_spec, 2)},
+    }
+    if sampling.greedy:
+        data["identical_greedy_outputs"] = f"{same}/{len(prompts)}"
+    if extra:
+        data.update(extra)
+    return BenchReport(data)
+
+
+def plot(report: BenchReport | dict, path: str | Path) -> Path:
+    """PNG: per-position acceptance (bars: P(accepted), line: conditional) and the histogram of
+    tokens committed per target forward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = report.data if isinstance(report, BenchReport) else report
+    k = d["k"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    pos = np.arange(1, k + 1)
+    a1.bar(pos, d["per_position_acceptance"], color="#4c72b0", label="P(accepted)")
+    a1.plot(pos, d["conditional_acceptance"], "o-", color="#dd8452", label="P(accepted | previous accepted)")
+    a1.set_xlabel("draft position")
+    a1.set_ylabel("acceptance rate")
+    a1.set_ylim(0, 1.25)
+    a1.set_xticks(pos)
+    a1.legend(loc="upper center", fontsize=8, ncol=2)
+    a1.set_title(f"{d['algorithm']} draft, k={k}, tau={d['tau']:.2f}")
+    tps = {int(j): n for j, n in d["tokens_per_step"].items()}
+    xs = np.arange(1, k + 2)
+    a2.bar(xs, [tps.get(int(x), 0) for x in xs], color="#55a868")
+    a2.set_xlabel("tokens committed per target forward")
+    a2.set_ylabel("rounds")
+    a2.set_xticks(xs)
+    a2.set_title(f"speedup {d['speedup']:.2f}x (predicted {d['predicted_speedup']:.2f}x)")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
