@@ -21,6 +21,7 @@ app = typer.Typer(
 COMMAND_MODULES = [
     "specjax.commands.bridge_cmds",  # inspect, audit, convert
     "specjax.commands.generate",  # generate
+    "specjax.commands.bench",  # bench (target-only vs speculative)
     "specjax.commands.train",  # train
     "specjax.commands.data",  # data prepare / extract / vocab / prompts / inspect
 ]

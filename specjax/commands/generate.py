@@ -1,4 +1,4 @@
-"""`specjax generate`: target-only generation on the command line."""
+"""`specjax generate`: target-only or (with ``--draft``) speculative generation on the command line."""
 
 from __future__ import annotations
 
@@ -30,12 +30,21 @@ def generate_cmd(
     cache_dir: Optional[str] = typer.Option(None, "--cache-dir",
                                             help="cache a dequantised GGUF as an HF dir here (also SPECJAX_CACHE_DIR)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d",
+                                        help="speculative decoding with this draft: a speculators checkpoint dir, or "
+                                             "'self' / 'self:M' (the target's first M layers)"),
+    k: Optional[int] = typer.Option(None, "--k", min=1, help="draft tokens per round (default: the checkpoint's)"),
+    draft_sampling: str = typer.Option("greedy", "--draft-sampling",
+                                       help="with --draft: greedy proposals (speculators default) | sample"),
+    lossless: bool = typer.Option(False, "--lossless",
+                                  help="with --draft: ignore the checkpoint's verifier_accept_k/accept_tolerance"),
     mesh: str = shcli.mesh_option(),
     coordinator: Optional[str] = shcli.coordinator_option(),
     num_processes: Optional[int] = shcli.num_processes_option(),
     process_id: Optional[int] = shcli.process_id_option(),
 ):
-    """Generate continuations with the target model alone (the whole decode loop is one jit)."""
+    """Generate continuations with the target alone, or speculatively with --draft (either way the
+    whole decode loop is one jit; speculative greedy output equals the target's)."""
     from bridge.errors import BridgeError
     from specjax.decode.generate import generate
     from specjax.models.loading import load_target
@@ -50,8 +59,16 @@ def generate_cmd(
         else:
             lt = load_target(target, dtype=dt, cache_dir=cache_dir, progress=not as_json)
         t1 = time.perf_counter()
-        outs = generate(prompt, target=lt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_p=top_p, top_k=top_k, seed=seed)
+        stats = None
+        if draft is None:
+            outs = generate(prompt, target=lt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, top_k=top_k, seed=seed)
+        else:
+            from specjax.decode.speculative import speculative_generate
+
+            outs, stats = speculative_generate(prompt, target=lt, draft=draft, chat=chat, max_new_tokens=max_new_tokens,
+                                               k=k, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                               dtype=dt, draft_sampling=draft_sampling, lossless=lossless)
         t2 = time.perf_counter()
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
@@ -62,6 +79,7 @@ def generate_cmd(
         print(json.dumps({
             "target": lt.source, "kind": lt.kind, "load_s": round(t1 - t0, 3), "generate_s": round(t2 - t1, 3),
             **({"mesh": describe(dev_mesh)} if dev_mesh.size > 1 else {}),
+            **({"draft": draft, "acceptance": stats.to_dict()} if stats is not None else {}),
             "completions": [{"prompt": p, "text": o.text, "token_ids": o.token_ids,
                              "prompt_tokens": len(o.prompt_token_ids), "stop_reason": o.stop_reason}
                             for p, o in zip(prompt, outs)],
@@ -73,3 +91,8 @@ def generate_cmd(
             out.print(f"[bold]--- {i}[/bold] ({o.stop_reason}, {len(o.token_ids)} tokens)", markup=True)
         print(o.text)
     console(stderr=True).print(f"{n_tok} tokens in {t2 - t1:.2f}s (incl. compile); load {t1 - t0:.2f}s", style="dim")
+    if stats is not None:
+        console(stderr=True).print(
+            f"draft {draft}: k={stats.k}, tau {stats.tau:.2f} tokens per target forward, per-position acceptance "
+            + ", ".join(f"{x:.2f}" for x in stats.per_position) + (" (lossy acceptance)" if stats.lossy else ""),
+            style="dim")
