@@ -1,0 +1,83 @@
+"""`specjax bench` and `specjax generate --draft` on a tiny torch-free target + EAGLE-3 draft
+(tests/sharding/tiny.py): JSON fields, the PNG, greedy outputs equal to target-only, and bad
+input refused with a message (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specjax.cli import app
+from specjax.decode.bench import PromptFileError, load_prompts
+from tests.sharding import tiny
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join([json.dumps("w5 w6 w7 w8"), json.dumps({"prompt": "w10 w11 w12"}), "",
+                                  json.dumps({"prompt_ids": [3, 4, 5, 6, 7]})]) + "\n")
+    return {"target": tiny.write_target(root / "t"), "draft": tiny.write_eagle3(root / "d"),
+            "qwen": tiny.write_target(root / "q", "qwen3"), "prompts": prompts, "root": root}
+
+
+def _run(args):
+    r = CliRunner().invoke(app, args)
+    return r.exit_code, r.output
+
+
+def test_bench_json_and_plot(ckpts):
+    png = ckpts["root"] / "plot.png"
+    code, out = _run(["bench", "-t", str(ckpts["target"]), "-d", str(ckpts["draft"]), "--prompts",
+                      str(ckpts["prompts"]), "--k", "2", "-n", "6", "-b", "2", "--no-chat", "--json", "--plot",
+                      str(png), "--no-progress"])
+    assert code == 0, out
+    d = json.loads(out.strip().splitlines()[-1])
+    assert d["prompts"] == 3 and d["k"] == 2 and d["algorithm"] == "eagle3" and d["batch_size"] == 2
+    assert d["identical_greedy_outputs"] == "3/3" and d["target_only"]["tokens"] == d["speculative"]["tokens"] == 18
+    assert 1.0 <= d["tau"] <= 3.0 and len(d["per_position_acceptance"]) == 2
+    assert sum(d["tokens_per_step"].values()) == d["rounds"] > 0
+    for key in ("speedup", "predicted_speedup", "speedup_over_predicted", "predicted_speedup_with_verify_cost"):
+        assert d[key] > 0
+    assert d["cost"]["c"] > 0 and d["cost"]["target_step_ms"] > 0 and not d["lossy"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_generate_with_draft(ckpts):
+    base = ["generate", "-t", str(ckpts["target"]), "-p", "w5 w6 w7 w8", "-p", "w10 w11 w12", "-n", "6", "--json"]
+    code, out = _run(base)
+    assert code == 0, out
+    ref = json.loads(out)
+    code, out = _run(base + ["--draft", str(ckpts["draft"]), "--k", "2"])
+    assert code == 0, out
+    got = json.loads(out)
+    assert [c["token_ids"] for c in got["completions"]] == [c["token_ids"] for c in ref["completions"]]
+    acc = got["acceptance"]
+    assert acc["k"] == 2 and acc["rounds"] > 0 and len(acc["per_position_acceptance"]) == 2 and not acc["lossy"]
+    code, out = _run(base[:-1] + ["--draft", "self", "--k", "2"])  # the oracle draft, text output
+    assert code == 0, out
+    assert "tau 3.00" in out
+
+
+def test_bad_input(ckpts, tmp_path):
+    args = ["bench", "-t", str(ckpts["target"]), "--no-progress", "--json", "-n", "2"]
+    code, out = _run(args + ["--prompts", str(tmp_path / "missing.jsonl")])
+    assert code == 2 and "does not exist" in out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('"ok"\n{"nope": 1}\n')
+    code, out = _run(args + ["--prompts", str(bad)])
+    assert code == 2 and "bad.jsonl:2: expected a string or an object" in out
+    code, out = _run(["bench", "-t", str(ckpts["qwen"]), "-d", str(ckpts["draft"]), "--prompts", str(ckpts["prompts"]),
+                      "--no-progress"])
+    assert code == 2 and "does not fit target" in out and "LlamaForCausalLM" in out and "Qwen3ForCausalLM" in out
+    code, out = _run(["generate", "-t", str(ckpts["target"]), "-p", "w5", "--draft", "self:9"])
+    assert code == 2 and "1..2 of the target's 2 layers" in out
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(PromptFileError, match="holds no prompts"):
+        load_prompts(tmp_path / "empty.jsonl")
+    (tmp_path / "x.jsonl").write_text("not json\n")
+    with pytest.raises(PromptFileError, match="x.jsonl:1: not JSON"):
+        load_prompts(tmp_path / "x.jsonl")
