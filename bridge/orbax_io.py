@@ -97,9 +97,7 @@ def restore_orbax(path: str | Path, *, sharding: Any = None) -> tuple[DraftConfi
     else:
         import jax
 
-        md = ckptr.metadata(p)
-        item_md = md.item_metadata["params"] if hasattr(md, "item_metadata") else md["params"]
-        plain = _plain(item_md)
+        plain = _plain(_params_metadata(p))
 
         def abstract_leaf(path, m):
             keys = tuple(getattr(k, "key", k) for k in path)
@@ -112,6 +110,16 @@ def restore_orbax(path: str | Path, *, sharding: Any = None) -> tuple[DraftConfi
     except Exception as e:
         raise OrbaxFormatError(f"cannot restore params: {type(e).__name__}: {e}", path=str(p)) from e
     return cfg, _int_keys(r["params"]), dict(extra.get("safetensors_metadata") or {})
+
+
+def _params_metadata(p: Path):
+    """Tree metadata of the params item. The checkpointer must know the item's handler: a bare
+    ``CompositeCheckpointHandler`` answers None, and restoring into None gives numpy arrays
+    instead of arrays in the requested shardings."""
+    import orbax.checkpoint as ocp
+
+    md = ocp.Checkpointer(ocp.CompositeCheckpointHandler(params=ocp.StandardCheckpointHandler())).metadata(p)
+    return md.item_metadata["params"] if hasattr(md, "item_metadata") else md["params"]
 
 
 class _quiet_absl:

@@ -24,7 +24,9 @@ from specjax.sharding.errors import (  # noqa: F401
     DistributedConfigError, IndivisibleShardError, MeshConfigError, PartitionRuleError, ShardingError,
     UnmatchedParamError,
 )
-from specjax.sharding.load import check_target, load_draft, load_target, restore_orbax, slice_loader  # noqa: F401
+from specjax.sharding.load import (  # noqa: F401
+    check_target, load_draft, load_target, restore_orbax, sharding_fn, slice_loader,
+)
 from specjax.sharding.mesh import (  # noqa: F401
     AXES, BATCH_AXES, MeshConfig, batch_divisor, describe, load_mesh_config, make_mesh, presets,
 )

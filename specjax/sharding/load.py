@@ -59,6 +59,22 @@ def slice_loader(mesh: Mesh, rules: "PartitionRules | Iterable", dtype=None,
     return place
 
 
+def sharding_fn(tree, rules: "PartitionRules | Iterable", mesh) -> Callable[[tuple], NamedSharding]:
+    """``path -> NamedSharding`` over a nested tree of arrays / views (e.g. ``bridge.load_checkpoint(p).tree``),
+    checked for every leaf up front: what ``Checkpoint.to_device(sharding=...)`` and
+    ``bridge.restore_orbax(sharding=...)`` take."""
+    from bridge.layout import get_path
+
+    mesh = _mesh(mesh)
+    rules = as_rules(rules)
+    partition_specs(tree, rules, mesh)
+
+    def fn(path) -> NamedSharding:
+        return NamedSharding(mesh, spec_for(path_str(path), np.shape(get_path(tree, tuple(path))), rules, mesh))
+
+    return fn
+
+
 def _mesh(mesh) -> Mesh:
     return mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
 
@@ -164,23 +180,14 @@ def restore_orbax(path: str | os.PathLike, mesh=None, *, rules: "PartitionRules 
     reads only the slices of this process's devices). Returns ``(config, tree, metadata)``."""
     import bridge
 
-    mesh = _mesh(mesh)
-    rules = as_rules(rules)
-    ckptr_meta = _orbax_shapes(path)
-    partition_specs(ckptr_meta, rules, mesh)
-
-    def sharding(p):
-        shape = _lookup(ckptr_meta, p).shape
-        return NamedSharding(mesh, spec_for(path_str(p), shape, rules, mesh))
-
-    return bridge.restore_orbax(path, sharding=sharding)
+    return bridge.restore_orbax(path, sharding=sharding_fn(_orbax_shapes(path), rules, mesh))
 
 
 def _orbax_shapes(path):
     """Nested dict of ShapeDtypeStruct of the params item of a specjax Orbax checkpoint."""
     import orbax.checkpoint as ocp
 
-    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler(params=ocp.StandardCheckpointHandler()))
     md = ckptr.metadata(Path(path))
     item = md.item_metadata["params"] if hasattr(md, "item_metadata") else md["params"]
 
@@ -191,9 +198,3 @@ def _orbax_shapes(path):
 
     return conv(item)
 
-
-def _lookup(tree, path):
-    node = tree
-    for k in path:
-        node = node[k]
-    return node

@@ -60,7 +60,7 @@ def test_tied_and_biased_targets_are_covered():
     shd.partition_specs(m, shd.TARGET_RULES, amesh((2, 2, 2)))
 
 
-@pytest.mark.parametrize("algo,over", DRAFTS, ids=[f"{a}-{'-'.join(map(str, o.values())) or 'base'}" for a, o in DRAFTS])
+@pytest.mark.parametrize("algo,over", DRAFTS, ids=[a + "".join(f"-{k}={v}" for k, v in o.items()) for a, o in DRAFTS])
 def test_every_draft_param_and_buffer_matches(algo, over):
     cfg = bridge.parse_config(tiny.draft_config(algo, **over))
     draft = build_draft(cfg, abstract=True)
@@ -68,7 +68,7 @@ def test_every_draft_param_and_buffer_matches(algo, over):
         shd.partition_specs(draft, shd.DRAFT_RULES, amesh(sizes))
     rows = {r[0]: r[3] for r in shd.explain(draft, shd.DRAFT_RULES)}
     if algo in ("eagle3", "dflash"):
-        assert rows["fc.kernel"] == P("fsdp", "tensor")
+        assert rows["fc.kernel"] == P("fsdp", None)  # not on tensor: XLA concat-gradient bug, see rules.py
     if algo != "mtp":
         assert rows["verifier_lm_head.kernel"] == P("fsdp", "tensor")
     if cfg.vocab_pruned:
