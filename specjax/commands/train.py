@@ -13,6 +13,7 @@ from specjax.commands.common import console, fail
 
 def register(app: typer.Typer) -> None:
     app.command("train")(train_cmd)
+    app.command("train-eval")(train_eval_cmd)
 
 
 def train_cmd(
@@ -45,3 +46,42 @@ def train_cmd(
     console().print(f"{summary['steps']} steps in {summary['seconds']}s; last loss {lm.get('loss')} "
                     f"(accept estimate {lm.get('accept_est')}); best val loss {best.get('val_loss')} at step "
                     f"{best.get('step')}; draft -> {summary.get('last')}")
+
+
+def train_eval_cmd(
+    draft: Path = typer.Option(..., "--draft", "-d", help="an EAGLE-3 speculators checkpoint directory"),
+    target: str = typer.Option("default", "--target", "-t"),
+    prompts: str = typer.Option("builtin:eval-code:32", "--prompts", "-p",
+                                help="builtin:<set>[:<n>] or a JSONL prompt file (user turns, chat template)"),
+    k: int = typer.Option(3, "--k", "-k", min=1),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=2),
+    batch_size: int = typer.Option(16, "--batch-size", min=1),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Acceptance of an EAGLE-3 draft under greedy speculative decoding at k, computed exactly offline
+    from the target's greedy continuations (tau = tokens per verify step, incl. the bonus token)."""
+    from bridge.errors import BridgeError
+    from specjax.models.drafts import load_draft
+    from specjax.models.loading import load_target
+    from specjax.train.evaluate import evaluate_acceptance
+    from specjax.train.prompts import PretokenizedRow, resolve_prompts
+
+    try:
+        lt = load_target(target, progress=not as_json)
+        model = load_draft(draft, lt.model)
+        cfg = json.loads((Path(draft) / "config.json").read_text(encoding="utf-8"))
+        recs = resolve_prompts(prompts)
+        ids = [r.input_ids for r in recs if isinstance(r, PretokenizedRow)] + [
+            lt.tokenizer.apply_chat_template([t for t in r if t["role"] != "assistant"] or r,
+                                             add_generation_prompt=True, tokenize=True)
+            for r in recs if not isinstance(r, PretokenizedRow)]
+        rep = evaluate_acceptance(model, lt, ids, aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"], k=k,
+                                  max_new_tokens=max_new_tokens, batch_size=batch_size, progress=not as_json)
+    except (BridgeError, ValueError, KeyError) as e:
+        fail(e, code=getattr(e, "exit_code", 2))
+    d = rep.as_dict()
+    if as_json:
+        print(json.dumps(d))
+    else:
+        console().print(f"tau {d['tau']} at k={k} over {d['verify_steps']} verify steps ({d['generated_tokens']} "
+                        f"tokens, {d['prompts']} prompts); P(accept >= i): {d['per_position']}")

@@ -1,0 +1,160 @@
+"""Trainer: the loss goes down, one compile of the jitted step, exact resume, best/last exports that
+pass the audit and load in speculators 0.9.0 and in specjax, recipe and resume errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.train.config import load_recipe
+from specjax.train.errors import RecipeError, ResumeError, TrainError
+from specjax.train.trainer import TRACE_COUNT, Run
+from tests.train.conftest import TINY_AUX
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def recipe(data, out, *extra):
+    return load_recipe(None, [f"data.path={data}", "data.total_seq_len=128", f"draft.target_layer_ids={TINY_AUX}",
+                              "draft.draft_vocab_size=40", f"trainer.output_dir={out}", "trainer.compute_dtype=float32",
+                              "data.train_data_ratio=0.75", "optimizer.lr=3e-3", "trainer.checkpoint_every=4", *extra])
+
+
+def _leaves(params):
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+def test_loss_goes_down_one_compile_and_exports(tmp_path, tiny_data, tiny_target):
+    TRACE_COUNT["train_step"] = 0
+    run = Run(recipe(tiny_data, tmp_path / "r", "trainer.epochs=6"), target=tiny_target, progress=False)
+    s = run.train()
+    assert TRACE_COUNT["train_step"] == 1
+    recs = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if "split" not in r]
+    val = [r for r in recs if r.get("split") == "val"]
+    assert len(train) == s["steps"] == s["total_steps"] and len(val) == 6
+    first = np.mean([r["loss"] for r in train[:3]])
+    last = np.mean([r["loss"] for r in train[-3:]])
+    assert last < 0.6 * first, (first, last)
+    assert val[-1]["loss"] < 0.7 * val[0]["loss"]
+    assert {"full_acc_0", "cond_acc_2", "loss_1", "accept_est", "grad_norm", "lr"} <= set(train[-1])
+    assert s["best"]["step"] is not None
+    for name in ("last", "best"):
+        assert (tmp_path / "r" / name / "config.json").is_file()
+
+
+def test_export_loads_in_speculators_and_specjax(tmp_path, tiny_data, tiny_target, tiny_target_dir):
+    import torch
+
+    import bridge
+    import speculators.models  # noqa: F401
+    from speculators.model import SpeculatorModel
+    from specjax.models.drafts import load_draft
+
+    run = Run(recipe(tiny_data, tmp_path / "r", "trainer.max_steps=3", f"verifier_name_or_path={tiny_target_dir}"),
+              target=tiny_target, progress=False)
+    run.train()
+    last = tmp_path / "r" / "last"
+    cfg = json.loads((last / "config.json").read_text())
+    for k in ("norm_before_residual", "norm_before_fc", "norm_output", "fc_norm", "embed_requires_grad",
+              "eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "target_hidden_size"):
+        assert k in cfg, k
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == TINY_AUX and cfg["norm_before_residual"] is True
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    rep = bridge.audit(last, verifier=str(tiny_target_dir))
+    assert not rep.errors, [f.message for f in rep.errors]
+    ref = SpeculatorModel.from_pretrained(str(last))
+    assert type(ref).__name__ == "Eagle3DraftModel" and ref.config.draft_vocab_size == 40
+    ours = load_draft(last, tiny_target)
+    trained = run.model_of(run.params)
+    for name in ("fc", "norm"):
+        a = np.asarray(getattr(trained, name).kernel[...] if name == "fc" else trained.norm.scale[...])
+        b = np.asarray(getattr(ours, name).kernel[...] if name == "fc" else ours.norm.scale[...], np.float32)
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2)  # bf16 export
+    w = dict(ref.named_parameters())["fc.weight"].detach().to(torch.float32).numpy()
+    np.testing.assert_allclose(w.T, np.asarray(ours.fc.kernel[...], np.float32), rtol=0, atol=0)
+
+
+def test_resume_is_exact(tmp_path, tiny_data, tiny_target):
+    ref = Run(recipe(tiny_data, tmp_path / "a", "trainer.epochs=2"), target=tiny_target, progress=False)
+    ref.train()
+    r1 = Run(recipe(tiny_data, tmp_path / "b", "trainer.epochs=2"), target=tiny_target, progress=False)
+    r1.train(stop_after=5)  # "killed" after 5 steps (checkpoint at 4 and at the kill)
+    assert not (tmp_path / "b" / "last").exists()
+    # resume from the step-4 checkpoint: drop the newer one, as if killed before it was written
+    ck = tmp_path / "b" / "checkpoints"
+    import shutil
+
+    shutil.rmtree(ck / "5")
+    r2 = Run(recipe(tiny_data, tmp_path / "b", "trainer.epochs=2"), target=tiny_target, progress=False, resume=True)
+    s = r2.train()
+    assert s["steps"] == ref.total_steps
+    for a, b in zip(_leaves(ref.params), _leaves(r2.params)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(ref.opt_state), jax.tree.leaves(r2.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_resume_and_output_errors(tmp_path, tiny_data, tiny_target):
+    with pytest.raises(ResumeError, match="no complete checkpoint"):
+        Run(recipe(tiny_data, tmp_path / "x"), target=tiny_target, progress=False, resume=True)
+    Run(recipe(tiny_data, tmp_path / "r", "trainer.max_steps=2"), target=tiny_target, progress=False).train()
+    with pytest.raises(TrainError, match="already holds a run"):
+        Run(recipe(tiny_data, tmp_path / "r", "trainer.max_steps=2"), target=tiny_target, progress=False)
+    with pytest.raises(ResumeError, match=r"optimizer.lr: 0.003 -> 0.001"):
+        Run(recipe(tiny_data, tmp_path / "r", "trainer.max_steps=2", "optimizer.lr=1e-3"), target=tiny_target,
+            progress=False, resume=True)
+    # output-only keys may change
+    Run(recipe(tiny_data, tmp_path / "r", "trainer.max_steps=2", "trainer.log_every=5"), target=tiny_target,
+        progress=False, resume=True)
+
+
+def test_recipe_errors(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("speculator_type: eagle3\ndraft:\n  num_layer: 2\n")
+    with pytest.raises(RecipeError, match=r"unknown key 'draft.num_layer'; accepted keys: num_layers"):
+        load_recipe(p)
+    p.write_text("optimizer:\n  optimizer: sgd\n")
+    with pytest.raises(RecipeError, match=r"accepted values: 'adamw', 'muon'"):
+        load_recipe(p)
+    p.write_text("trainer:\n  epochs: many\n")
+    with pytest.raises(RecipeError, match=r"trainer.epochs: .*found 'many'.*expected int"):
+        load_recipe(p)
+    with pytest.raises(RecipeError, match=r"unknown loss 'kld'"):
+        load_recipe(None, ["loss_fn=kld"])
+    with pytest.raises(RecipeError, match="dpace requires loss.loss_fn=ce"):
+        load_recipe(None, ["speculator_type=dflash", "loss_fn=kl_div"])
+    with pytest.raises(RecipeError, match=r"--set: unknown key 'bogus'"):
+        load_recipe(None, ["bogus=1"])
+    c = load_recipe(None, ["speculator_type=dflash"])
+    assert (c.draft.num_layers, c.draft.draft_arch, c.loss.loss_fn, c.dflash.block_size,
+            c.dflash.per_position_loss_weight, c.draft.norm_before_fc) == (5, "qwen3", "ce", 16, "dpace", False)
+    e = load_recipe(None, ["lr=3e-4"])
+    assert e.optimizer.lr == 3e-4 and e.optimizer.muon_lr == 3e-4 and e.draft.norm_output is True
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_shipped_recipes_validate(name):
+    cfg = load_recipe(REPO / "configs" / name)
+    assert cfg.speculator_type in ("eagle3", "dflash")
+
+
+def test_dflash_trains(tmp_path, tiny_data, tiny_target, tiny_target_dir):
+    run = Run(recipe(tiny_data, tmp_path / "d", "speculator_type=dflash", f"verifier_name_or_path={tiny_target_dir}", "draft.num_layers=2", "dflash.block_size=4",
+                     "data.max_anchors=8", "trainer.epochs=4"), target=tiny_target, progress=False)
+    s = run.train()
+    recs = [json.loads(l) for l in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines() if "split" not in l]
+    assert {"eal", "position_1_acc", "full_acc"} <= set(recs[-1])
+    assert np.mean([r["loss"] for r in recs[-3:]]) < np.mean([r["loss"] for r in recs[:3]])
+    cfg = json.loads((tmp_path / "d" / "last" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash" and cfg["aux_hidden_state_layer_ids"] == TINY_AUX
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    import speculators.models  # noqa: F401
+    from speculators.model import SpeculatorModel
+
+    ref = SpeculatorModel.from_pretrained(str(tmp_path / "d" / "last"))
+    assert type(ref).__name__ == "DFlashDraftModel" and ref.block_size == 4
