@@ -5,7 +5,11 @@ Draft: ``--draft DIR`` (a speculators checkpoint, e.g. the EAGLE-3 draft ``specj
 produces for SmolLM2); without it, ``self`` -- the target's own layers as the draft (an oracle:
 every proposal is accepted, tau = k + 1, but the draft costs as much as the target, so it can
 only exercise the loop and check measured vs predicted speedup, not win). ``--draft self:M``
-uses the first M layers (cheaper, accepts less).
+uses the first M layers (cheaper, accepts less). ``--draft untrained-eagle3[:VD]`` builds, in
+memory, an EAGLE-3 draft of the speculators defaults for SmolLM2 (one Llama layer, aux ids
+[2, 15, 27], draft vocabulary VD = 32000 by default, embeddings and lm_head rows from the target,
+the rest random): it accepts almost nothing, but its cost ratio c is the one a trained draft
+will have, so the JSON adds ``projected_speedup`` for tau = 2.0 .. 3.5 from the measured c and v.
 
 Prints one JSON line (``run_bench``'s report): tau, per-position acceptance, tokens/s target-only
 and speculative, measured speedup, the measured draft/target cost ratio c and verify overhead v,
@@ -47,6 +51,52 @@ CHAT_PROMPTS = [
 ]
 
 
+def untrained_eagle3(lt, draft_vocab: int = 32000, seed: int = 0):
+    """SmolLM2-shaped EAGLE-3 (speculators defaults), random except the verifier-owned tensors."""
+    import bridge
+    import numpy as np
+
+    from specjax.decode.speculative import SpecDraft
+    from specjax.models.drafts.load import module_from_flat
+    from specjax.models.drafts.verifier_weights import VerifierSource, fill_verifier_weights
+
+    tc = lt.config
+    n = tc.num_hidden_layers
+    layer = {**tc.to_hf_dict(), "num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    cfg = bridge.parse_config({
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+        "draft_vocab_size": draft_vocab, "norm_before_residual": True,
+        "eagle_aux_hidden_state_layer_ids": [2, n // 2, n - 3],
+        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                                     "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                               "verifier": {"architectures": [tc.architecture], "name_or_path": None}},
+        "transformer_layer_config": layer})
+    rng = np.random.default_rng(seed)
+    H, V = tc.hidden_size, tc.vocab_size
+    flat = {"fc.weight": rng.standard_normal((H, 3 * H)) / np.sqrt(3 * H), "norm.weight": np.ones(H)}
+    pre = "layers.0."
+    shapes = {"self_attn.q_proj.weight": (tc.num_attention_heads * tc.head_dim, 2 * H),
+              "self_attn.k_proj.weight": (tc.num_key_value_heads * tc.head_dim, 2 * H),
+              "self_attn.v_proj.weight": (tc.num_key_value_heads * tc.head_dim, 2 * H),
+              "self_attn.o_proj.weight": (H, tc.num_attention_heads * tc.head_dim),
+              "mlp.gate_proj.weight": (tc.intermediate_size, H), "mlp.up_proj.weight": (tc.intermediate_size, H),
+              "mlp.down_proj.weight": (H, tc.intermediate_size)}
+    for name, shp in shapes.items():
+        flat[pre + name] = rng.standard_normal(shp) / np.sqrt(shp[1])
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        flat[pre + name + ".weight"] = np.ones(H)
+    flat = {k: v.astype(np.float32) for k, v in flat.items()}
+    sel = np.arange(draft_vocab)  # the first VD target ids (a real draft keeps the most frequent)
+    t2d = np.zeros(V, bool)
+    t2d[sel] = True
+    flat["t2d"], flat["d2t"] = t2d, np.zeros(draft_vocab, np.int64)
+    flat = fill_verifier_weights("eagle3", flat, hidden_size=H, vocab_size=V, draft_vocab_size=draft_vocab,
+                                 source=VerifierSource.of(lt.model), verifier_heads=False)
+    module = module_from_flat(cfg, flat, dtype="float32", verifier_heads=False)
+    return SpecDraft(module, cfg, f"untrained-eagle3:{draft_vocab}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="default")
@@ -67,7 +117,11 @@ def main():
 
     t0 = time.perf_counter()
     lt = load_target(args.target, progress=False)
-    sd = load_spec_draft(args.draft, lt)
+    if args.draft.startswith("untrained-eagle3"):
+        vd = int(args.draft.split(":", 1)[1]) if ":" in args.draft else 32000
+        sd = untrained_eagle3(lt, vd)
+    else:
+        sd = load_spec_draft(args.draft, lt)
     load_s = time.perf_counter() - t0
     raw = bench.load_prompts(args.prompts, limit=args.limit) if args.prompts else CHAT_PROMPTS[: args.limit]
     ids = bench.encode(lt, raw, chat=True)
@@ -78,6 +132,11 @@ def main():
                           progress=False,
                           extra={"target": "SmolLM2-135M-Instruct Q4_1 GGUF -> float32" if args.target == "default"
                                  else lt.source, "threads": THREADS["XLA_FLAGS"], "load_s": round(load_s, 2)})
+    if args.draft.startswith("untrained-eagle3"):
+        c, v, k = rep.data["cost"]["c"], rep.data["cost"]["verify_overhead"], rep.data["k"]
+        rep.data["projected_speedup"] = {
+            f"{tau:.1f}": {"seed_formula": round(tau / (k * c + 1), 3), "with_verify_cost": round(tau / (k * c + v), 3)}
+            for tau in (2.0, 2.5, 3.0, 3.5)}
     if args.plot:
         bench.plot(rep, args.plot)
         rep.data["plot"] = args.plot

@@ -160,6 +160,26 @@ def test_ragged_batch_equals_one_by_one_with_eos(targets):
     assert spec.TRACE_COUNT["speculative"] == n + 1  # four batch-1 runs, one compile
 
 
+def test_checkpoint_acceptance_settings_and_sampled_pruned_draft(targets, drafts):
+    target, sd = targets["llama"], drafts["eagle3"]
+    cfg = sd.config.model_copy(deep=True)
+    cfg.speculators_config.proposal_methods[0].verifier_accept_k = 40
+    cfg.speculators_config.proposal_methods[0].accept_tolerance = 1.0
+    relaxed = spec.SpecDraft(sd.module, cfg, "relaxed")
+    kw = dict(max_new_tokens=NEW, eos_token_ids=[])
+    # (trace=True: the program the parametrised test above already compiled)
+    got = speculative_generate_ids(target, relaxed, PROMPTS, trace=True, **kw)  # honoured by default, lossy
+    assert got.stats.lossy and got.stats.tau > 1.0
+    exact = speculative_generate_ids(target, relaxed, PROMPTS, lossless=True, trace=True, **kw)
+    assert not exact.stats.lossy and exact.tokens == generate_ids(target, PROMPTS, **kw).tokens
+    # temperature > 0 with sampled proposals over the pruned draft vocabulary (d2t scatter of q)
+    from specjax.decode.sampling import SamplingParams
+
+    s = speculative_generate_ids(target, sd, PROMPTS, sampling=SamplingParams(temperature=1.0, top_p=0.9),
+                                 draft_sampling="sample", seed=4, **kw)
+    assert all(len(t) == NEW and all(0 <= x < 96 for x in t) for t in s.tokens) and s.stats.rounds > 0
+
+
 def test_k_override_one_program_per_shape_no_host_callbacks(targets, drafts):
     target, sd = targets["llama"], drafts["eagle3"]
     assert resolve_k(sd, None) == sd.config.speculative_tokens  # k from the checkpoint
