@@ -13,6 +13,7 @@ Every loader checks the whole model against the rules and the mesh before it rea
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -49,14 +50,74 @@ def slice_loader(mesh: Mesh, rules: "PartitionRules | Iterable", dtype=None,
             return jax.device_put(view.astype(out), sh)
 
         def cb(index):
-            a = np.ascontiguousarray(view[index])
+            a = copy_slice(view[index], out)
             if on_slice is not None:
                 on_slice(path_str(path), index, a.nbytes)
-            return a.astype(out, copy=False)
+            return a
 
-        return jax.make_array_from_callback(shape, sh, cb)
+        arr = jax.make_array_from_callback(shape, sh, cb)
+        release(view)  # this tensor's file pages are no longer needed in this process
+        return arr
 
     return place
+
+
+CHUNK_BYTES = 64 << 20
+
+
+def copy_slice(src: np.ndarray, dtype) -> np.ndarray:
+    """``src`` (a view into a memory map) as a fresh page-aligned array of ``dtype`` (the CPU
+    client adopts such a buffer without a copy), copied in row chunks; a chunk whose file
+    bytes are contiguous has its pages released as soon as it is copied, so a large slice never
+    holds both its file pages and its copy in full."""
+    from bridge.device import aligned_empty
+
+    out = aligned_empty(src.shape, dtype)
+    if src.ndim == 0 or src.size == 0 or src.nbytes <= CHUNK_BYTES:
+        out[...] = src
+        return out
+    step = max(1, CHUNK_BYTES // max(1, src.nbytes // src.shape[0]))
+    for r in range(0, src.shape[0], step):
+        part = src[r:r + step]
+        out[r:r + step] = part
+        lo, hi = _span(part)
+        if hi - lo <= 2 * part.nbytes + mmap.PAGESIZE:  # rows of the file, not a strided column band
+            release(part)
+    return out
+
+
+def _span(a: np.ndarray) -> tuple[int, int]:
+    """[lo, hi) byte addresses an array view touches."""
+    lo = hi = a.__array_interface__["data"][0]
+    for n, st in zip(a.shape, a.strides):
+        if n == 0:
+            return lo, lo
+        ext = (n - 1) * st
+        lo, hi = (lo + ext, hi) if ext < 0 else (lo, hi + ext)
+    return lo, hi + a.itemsize
+
+
+def release(a) -> None:
+    """Drop this process's mapping of the file pages under a memory-map view (``MADV_DONTNEED``:
+    they stay in the page cache, they just stop counting as this process's memory)."""
+    if not isinstance(a, np.ndarray) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    mm, b = None, a
+    while b is not None:
+        if isinstance(b, mmap.mmap):
+            mm = b
+            break
+        b = b.obj if isinstance(b, memoryview) else getattr(b, "base", None)
+    if mm is None:
+        return
+    try:
+        start = np.frombuffer(mm, np.uint8).__array_interface__["data"][0]
+        lo, hi = _span(a)
+        off = ((lo - start) // mmap.PAGESIZE) * mmap.PAGESIZE
+        if 0 <= off < hi - start:
+            mm.madvise(mmap.MADV_DONTNEED, off, hi - start - off)
+    except (ValueError, OSError, BufferError):
+        pass
 
 
 def sharding_fn(tree, rules: "PartitionRules | Iterable", mesh) -> Callable[[tuple], NamedSharding]:

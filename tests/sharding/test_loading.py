@@ -36,7 +36,7 @@ def test_target_and_draft_on_a_one_device_mesh(ckpts):
     assert d.fc.kernel.get_value().sharding.spec == P("fsdp", None)
     ref = load_draft(ckpts["draft"], ckpts["target"])
     x = tiny.eagle3_inputs(batch=2)
-    np.testing.assert_array_equal(np.asarray(d(**x, ttt_steps=2).logits), np.asarray(ref(**x, ttt_steps=2).logits))
+    np.testing.assert_array_equal(np.asarray(d(**x, ttt_steps=1).logits), np.asarray(ref(**x, ttt_steps=1).logits))
 
 
 def test_rule_check_runs_before_reading(ckpts):
