@@ -17,7 +17,8 @@ the seed formula's prediction tau / (k c + 1), the prediction with the measured 
 tau / (k c + v), and measured / predicted for both.
 
 Threads are pinned to one (XLA: no multi-threaded Eigen, one intra-op thread) for steadier
-numbers on a shared machine; both loops run interleaved per batch, compile time excluded.
+numbers on a shared machine; both loops run interleaved per batch, compile time excluded, and the
+fastest of ``--repeats`` passes counts for each side.
 
     .venv/bin/python benchmarks/spec_decode.py [--draft DIR|self|self:M] [--k 3] [--batch-size 4]
         [--max-new-tokens 64] [--prompts FILE.jsonl] [--limit 8] [--plot out.png]
@@ -108,6 +109,7 @@ def main():
     ap.add_argument("--prompts", default=None, help="JSONL prompts (default: 8 built-in chat prompts)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved passes; each side's fastest is kept")
     args = ap.parse_args()
 
     from specjax.decode import bench
@@ -129,7 +131,7 @@ def main():
     rep = bench.run_bench(lt.model, sd, ids, k=args.k, sampling=SamplingParams(temperature=args.temperature),
                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                           eos_token_ids=lt.eos_token_ids, pad_id=tok.pad_token_id if tok is not None else None,
-                          progress=False,
+                          progress=False, repeats=args.repeats,
                           extra={"target": "SmolLM2-135M-Instruct Q4_1 GGUF -> float32" if args.target == "default"
                                  else lt.source, "threads": THREADS["XLA_FLAGS"], "load_s": round(load_s, 2)})
     if args.draft.startswith("untrained-eagle3"):

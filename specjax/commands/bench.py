@@ -39,6 +39,7 @@ def bench_cmd(
     as_json: bool = typer.Option(False, "--json", help="print one JSON line"),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="write a PNG: per-position acceptance and the "
                                             "tokens-per-step histogram"),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="interleaved passes; each side's fastest is kept"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="progress bar over prompts (stderr)"),
 ):
     """Measure speculative decoding against the target alone: acceptance (tau, per position), tokens/s,
@@ -61,7 +62,7 @@ def bench_cmd(
         rep = bench.run_bench(lt.model, sd, ids, k=k, sampling=sampling, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, seed=seed, eos_token_ids=lt.eos_token_ids,
                               pad_id=tok.pad_token_id if tok is not None else None, draft_sampling=draft_sampling,
-                              lossless=lossless, progress=progress, extra={"target": lt.source})
+                              lossless=lossless, progress=progress, repeats=repeats, extra={"target": lt.source})
         if plot_path:
             bench.plot(rep, plot_path)
             rep.data["plot"] = plot_path
