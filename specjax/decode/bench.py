@@ -247,7 +247,7 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
         "max_new_tokens": max_new_tokens, "prompts": len(prompts), "prompt_bucket": P, "repeats": repeats,
         "tau": round(st.tau, 4), "alpha": round(alpha_from_tau(st.tau, kk), 4),
         "per_position_acceptance": [round(x, 4) for x in st.per_position],
-        "conditional_acceptance": [round(x, 4) for x in st.conditional],
+        "conditional_acceptance": [None if x is None else round(x, 4) for x in st.conditional],
         "tokens_per_step": st.tokens_per_step(), "rounds": st.rounds, "lossy": st.lossy,
         "target_only": {"tokens": n_base, "seconds": round(t_base, 3), "tok_s": round(tps_base, 2)},
         "speculative": {"tokens": n_spec, "seconds": round(t_spec, 3), "tok_s": round(tps_spec, 2)},
@@ -279,7 +279,7 @@ def plot(report: BenchReport | dict, path: str | Path) -> Path:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     pos = np.arange(1, k + 1)
     a1.bar(pos, d["per_position_acceptance"], color="#4c72b0", label="P(accepted)")
-    a1.plot(pos, d["conditional_acceptance"], "o-", color="#dd8452", label="P(accepted | previous accepted)")
+    a1.plot(pos, [np.nan if x is None else x for x in d["conditional_acceptance"]], "o-", color="#dd8452", label="P(accepted | previous accepted)")
     a1.set_xlabel("draft position")
     a1.set_ylabel("acceptance rate")
     a1.set_ylim(0, 1.25)

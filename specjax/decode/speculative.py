@@ -342,13 +342,13 @@ class SpecStats:
         return [float(t[i + 1:].sum() / n) for i in range(self.k)]
 
     @property
-    def conditional(self) -> list[float]:
-        """P(position i accepted | positions < i accepted)."""
+    def conditional(self) -> list[float | None]:
+        """P(position i accepted | positions < i accepted); None where no round got that far."""
         t = self.total
         out = []
         for i in range(self.k):
             reach = t[i:].sum()
-            out.append(float(t[i + 1:].sum() / reach) if reach else float("nan"))
+            out.append(float(t[i + 1:].sum() / reach) if reach else None)
         return out
 
     @property
@@ -363,7 +363,7 @@ class SpecStats:
     def to_dict(self) -> dict:
         return {"k": self.k, "rounds": self.rounds, "tau": round(self.tau, 4), "alpha": round(self.alpha, 4),
                 "per_position_acceptance": [round(x, 4) for x in self.per_position],
-                "conditional_acceptance": [round(x, 4) for x in self.conditional],
+                "conditional_acceptance": [None if x is None else round(x, 4) for x in self.conditional],
                 "tokens_per_step": self.tokens_per_step(), "lossy": self.lossy}
 
     @classmethod

@@ -35,7 +35,7 @@ def test_bench_json_and_plot(ckpts):
                       str(ckpts["prompts"]), "--k", "2", "-n", "6", "-b", "2", "--no-chat", "--json", "--plot",
                       str(png), "--no-progress"])
     assert code == 0, out
-    d = json.loads(out.strip().splitlines()[-1])
+    d = json.loads(out.strip().splitlines()[-1], parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     assert d["prompts"] == 3 and d["k"] == 2 and d["algorithm"] == "eagle3" and d["batch_size"] == 2
     assert d["identical_greedy_outputs"] == "3/3" and d["target_only"]["tokens"] == d["speculative"]["tokens"] == 18
     assert 1.0 <= d["tau"] <= 3.0 and len(d["per_position_acceptance"]) == 2
