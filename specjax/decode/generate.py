@@ -273,18 +273,23 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
     ``prompt_bucket`` so nearby lengths share one compiled program.
 
     Sharded: when the model's params live on a multi-device mesh (``specjax.sharding.load_target``
-    / ``shard_params``), or ``mesh`` is given, the loop runs under :func:`sharded_generate_fn`
-    (explicit in/out shardings; the batch is padded to a multiple of data x fsdp).
+    / ``shard_params``), or ``mesh`` is given (params not on it are placed, as a copy, by
+    ``specjax.sharding.TARGET_RULES``), the loop runs under :func:`sharded_generate_fn` (explicit
+    in/out shardings; the batch is padded to a multiple of data x fsdp).
     """
     b = prepare(model.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
                 context_length=context_length, prompt_bucket=prompt_bucket)
     P = b.padded_len
     max_len = min(P + max_new_tokens, max(b.context_length, P))
     graphdef, params = _split(model)
-    if mesh is None:
-        from specjax.sharding import mesh_of
+    from specjax.sharding import mesh_of
 
-        mesh = mesh_of(params)
+    placed = mesh_of(params)
+    if mesh is not None and mesh.size > 1 and placed != mesh:  # place a copy by the target rules
+        from specjax.sharding import TARGET_RULES, named_shardings
+
+        params = jax.device_put(params, named_shardings(params, TARGET_RULES, mesh))
+    mesh = placed if mesh is None else mesh
     if mesh is not None and mesh.size > 1:
         toks, num, eos_hit = _generate_sharded(mesh, graphdef, params, b, seed=seed, max_new_tokens=max_new_tokens,
                                                max_len=max_len, sampling=sampling, cache_dtype=cache_dtype_of(model))

@@ -129,6 +129,14 @@ def test_kv_cache_sharded_by_batch_and_heads_inside_the_loop(ckpts, ref):
     assert cache.lengths.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"))), 1)
 
 
+def test_generate_ids_with_a_mesh_places_an_unsharded_model(ref):
+    from specjax.decode.generate import generate_ids
+
+    mesh = shd.make_mesh((8, 1, 1))
+    assert generate_ids(ref["model"], PROMPTS, max_new_tokens=6, eos_token_ids=[], mesh=mesh).tokens == ref["tokens"]
+    assert shd.mesh_of(ref["model"]) is None  # the model itself is untouched
+
+
 def test_sampling_and_eos_match_single_device(ckpts, ref):
     from specjax.decode.generate import generate_ids
     from specjax.decode.sampling import SamplingParams
