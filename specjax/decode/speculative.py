@@ -169,7 +169,8 @@ def load_spec_draft(draft, target, *, dtype=None, speculative_tokens: int = 3) -
     """A :class:`SpecDraft` for ``draft``: a speculators checkpoint directory (checked against the
     target, then ``load_draft``), ``None`` / ``"self"`` / ``"self:M"`` (a :class:`SelfDraft` of the
     target's first M layers), a draft module, or a ``SpecDraft``. ``target``: a ``LoadedTarget``
-    or ``CausalLM``."""
+    or ``CausalLM``. ``dtype`` None: the target's parameter dtype (speculators exports bf16; on a
+    CPU an f32 target runs an f32 draft much faster than a bf16 one)."""
     from specjax.decode.selfdraft import SelfDraft
 
     if isinstance(draft, SpecDraft):
@@ -187,6 +188,8 @@ def load_spec_draft(draft, target, *, dtype=None, speculative_tokens: int = 3) -
     path = os.fspath(draft)
     cfg = bridge.read_config(path)
     check_pair(cfg, model.config, draft_src=path, target_src=getattr(target, "source", "<module>"))
+    if dtype is None:  # run the draft in the target's dtype (a bf16 checkpoint under an f32 target: f32)
+        dtype = jnp.dtype(model.model.embed_tokens.embedding[...].dtype).name
     module = load_draft(path, target, dtype=dtype, verifier_heads=False)
     return SpecDraft(module, cfg, path)
 
