@@ -17,8 +17,8 @@ def register(app: typer.Typer) -> None:
 def bench_cmd(
     prompts: str = typer.Option(..., "--prompts", help="JSONL: one prompt per line (a string, or {prompt|text|"
                                 "messages|prompt_ids})"),
-    target: str = typer.Option("default", "--target", "-t",
-                               help="'default' (embedded SmolLM2), a .gguf file, an HF model dir, or a cached HF repo id"),
+    target: str = typer.Option("default", "--target", "-t", help="'default' (embedded SmolLM2), a .gguf file, an HF "
+                               "model dir, or a cached HF repo id"),
     draft: str = typer.Option("self", "--draft", "-d",
                               help="a speculators draft directory, or 'self' / 'self:M' (a draft from the target's "
                                    "first M layers; 'self' = all layers, an oracle)"),
@@ -32,7 +32,8 @@ def bench_cmd(
     chat: bool = typer.Option(True, "--chat/--no-chat", help="render string prompts with the chat template"),
     draft_sampling: str = typer.Option("greedy", "--draft-sampling",
                                        help="greedy (speculators default, point-mass q) | sample"),
-    lossless: bool = typer.Option(False, "--lossless", help="ignore the checkpoint's verifier_accept_k/accept_tolerance"),
+    lossless: bool = typer.Option(False, "--lossless",
+                                  help="ignore the checkpoint's verifier_accept_k/accept_tolerance"),
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (keep) | float32 | bfloat16 | float16"),
     cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="cache a dequantised GGUF as an HF dir here"),
@@ -80,10 +81,11 @@ def bench_cmd(
     out.print(f"target-only {d['target_only']['tok_s']:.1f} tok/s, speculative {d['speculative']['tok_s']:.1f} tok/s: "
               f"speedup {d['speedup']:.2f}x")
     c = d["cost"]
-    out.print(f"cost: c = {c['c']:.3f} (draft round {c['draft_round_ms']:.1f} ms / k x step {c['target_step_ms']:.1f} ms), "
-              f"verify {c['verify_overhead']:.2f}x a step")
+    out.print(f"cost: c = {c['c']:.3f} (draft round {c['draft_round_ms']:.1f} ms / k x step "
+              f"{c['target_step_ms']:.1f} ms), verify {c['verify_overhead']:.2f}x a step")
     out.print(f"predicted {d['predicted_speedup']:.2f}x (tau/(k c + 1)); measured/predicted "
-              f"{d['speedup_over_predicted']:.2f}; with the measured verify cost {d['predicted_speedup_with_verify_cost']:.2f}x "
+              f"{d['speedup_over_predicted']:.2f}; with the measured verify cost "
+              f"{d['predicted_speedup_with_verify_cost']:.2f}x "
               f"(ratio {d['speedup_over_predicted_with_verify_cost']:.2f})")
     if "identical_greedy_outputs" in d:
         out.print(f"identical greedy outputs: {d['identical_greedy_outputs']}")

@@ -156,7 +156,8 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
         [(step, (state, ids1, tcache)), (verify, (state, idsk, tcache)),
          (draft_round, (state, aux, idsk, pos, jnp.full((batch,), k + 1, jnp.int32)))], iters)
     return {"target_step_ms": round(1e3 * t_step, 3), "verify_ms": round(1e3 * t_verify, 3),
-            "draft_round_ms": round(1e3 * t_draft, 3), "c": t_draft / (k * t_step), "verify_overhead": t_verify / t_step}
+            "draft_round_ms": round(1e3 * t_draft, 3), "c": t_draft / (k * t_step),
+            "verify_overhead": t_verify / t_step}
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -279,7 +280,8 @@ def plot(report: BenchReport | dict, path: str | Path) -> Path:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     pos = np.arange(1, k + 1)
     a1.bar(pos, d["per_position_acceptance"], color="#4c72b0", label="P(accepted)")
-    a1.plot(pos, [np.nan if x is None else x for x in d["conditional_acceptance"]], "o-", color="#dd8452", label="P(accepted | previous accepted)")
+    cond = [np.nan if x is None else x for x in d["conditional_acceptance"]]
+    a1.plot(pos, cond, "o-", color="#dd8452", label="P(accepted | previous accepted)")
     a1.set_xlabel("draft position")
     a1.set_ylabel("acceptance rate")
     a1.set_ylim(0, 1.25)
