@@ -34,7 +34,7 @@ def test_03_export_passes_the_audit(nb03):
     assert nb03.num("export_audit_errors") == 0
 
 
-def test_03_trained_draft_is_accepted_sometimes_or_never_below_one(nb03):
+def test_03_acceptance_length_at_least_one(nb03):
     assert nb03.num("accept_length") >= 1.0
 
 
