@@ -88,16 +88,16 @@ def restore_orbax(path: str | Path, *, sharding: Any = None) -> tuple[DraftConfi
     if extra.get("format") != FORMAT:
         raise OrbaxFormatError(f"format marker {extra.get('format')!r}; expected {FORMAT!r}", path=str(p), key="specjax")
     cfg = parse_config(meta["config"], path=str(p / "config"))
+    import jax
+
+    try:
+        with _quiet_absl():
+            plain = _plain(_params_metadata(p))
+    except Exception as e:  # orbax raises many types; name the file instead
+        raise OrbaxFormatError(f"cannot read params metadata: {type(e).__name__}: {e}", path=str(p)) from e
     if sharding is None:
-        import jax
-
-        md = ckptr.metadata(p)
-        item_md = md.item_metadata["params"] if hasattr(md, "item_metadata") else md["params"]
-        abstract = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), _plain(item_md))
+        abstract = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), plain)
     else:
-        import jax
-
-        plain = _plain(_params_metadata(p))
 
         def abstract_leaf(path, m):
             keys = tuple(getattr(k, "key", k) for k in path)
@@ -106,7 +106,8 @@ def restore_orbax(path: str | Path, *, sharding: Any = None) -> tuple[DraftConfi
 
         abstract = jax.tree_util.tree_map_with_path(abstract_leaf, plain)
     try:
-        r = ckptr.restore(p, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
+        with _quiet_absl():
+            r = ckptr.restore(p, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
     except Exception as e:
         raise OrbaxFormatError(f"cannot restore params: {type(e).__name__}: {e}", path=str(p)) from e
     return cfg, _int_keys(r["params"]), dict(extra.get("safetensors_metadata") or {})
