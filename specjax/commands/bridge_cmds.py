@@ -26,59 +26,34 @@ def inspect_cmd(
     import bridge
 
     try:
-        cfg = bridge.read_config(ckpt)
-        store = bridge.open_tensors(ckpt)
+        summary = bridge.summarize(ckpt)
     except bridge.BridgeError as e:
         fail(e, code=2)
-    lc = cfg.layer
-    infos = store.infos()
-    summary = {
-        "path": str(ckpt),
-        "algorithm": cfg.speculators_model_type,
-        "speculators_version": cfg.speculators_version,
-        "verifier": cfg.speculators_config.verifier.name_or_path,
-        "verifier_architectures": cfg.speculators_config.verifier.architectures,
-        "speculative_tokens": cfg.speculative_tokens,
-        "aux_layer_ids": cfg.aux_layer_ids,
-        "draft_layers": lc.num_hidden_layers,
-        "decoder_family": lc.model_type,
-        "hidden_size": lc.hidden_size,
-        "verifier_vocab_size": lc.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "files": [f.path for f in store.files],
-        "tensors": {n: {"shape": list(i.shape), "dtype": i.dtype} for n, i in sorted(infos.items())},
-        "total_bytes": store.total_bytes,
-    }
-    for k in ("block_size", "sample_from_anchor", "mask_token_id", "norm_before_residual", "norm_before_fc",
-              "fc_norm", "norm_output", "markov_rank"):
-        if k in type(cfg).model_fields:
-            summary[k] = getattr(cfg, k)
     if as_json:
         print(json.dumps(summary, indent=2))
         return
+    from rich.markup import escape
     from rich.table import Table
 
+    s = summary
     c = console()
-    c.print(f"[bold]{ckpt}[/bold]: [cyan]{summary['algorithm']}[/cyan] draft "
-            f"(speculators {summary['speculators_version']})")
-    c.print(f"  verifier            {summary['verifier']} {summary['verifier_architectures']}")
-    c.print(f"  speculative tokens  {summary['speculative_tokens']}")
-    c.print(f"  aux layer ids       {summary['aux_layer_ids']}")
-    c.print(f"  draft decoder       {lc.model_type}, {lc.num_hidden_layers} layer(s), hidden {lc.hidden_size}, "
-            f"{lc.num_attention_heads} heads / {lc.kv_heads} kv, head_dim {lc.head_size}")
-    c.print(f"  vocab               verifier {lc.vocab_size}, draft {cfg.draft_vocab_size}"
-            + (" (pruned: t2d/d2t)" if cfg.vocab_pruned else ""))
-    flags = {k: summary[k] for k in summary if k in ("block_size", "sample_from_anchor", "mask_token_id",
-             "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "markov_rank")}
-    if flags:
-        c.print("  flags               " + ", ".join(f"{k}={v}" for k, v in flags.items()))
-    t = Table(title=f"{len(infos)} tensors, {human_bytes(summary['total_bytes'])}", show_lines=False)
+    c.print(f"[bold]{escape(str(ckpt))}[/bold]: [cyan]{s['algorithm']}[/cyan] draft (speculators {s['speculators_version']})")
+    c.print(f"  verifier            {escape(str(s['verifier']))} {escape(str(s['verifier_architectures']))}")
+    c.print(f"  speculative tokens  {s['speculative_tokens']}")
+    c.print(f"  aux layer ids       {escape(str(s['aux_layer_ids']))}")
+    c.print(f"  draft decoder       {s['decoder_family']}, {s['draft_layers']} layer(s), hidden {s['hidden_size']}, "
+            f"{s['num_attention_heads']} heads / {s['num_key_value_heads']} kv, head_dim {s['head_dim']}")
+    c.print(f"  vocab               verifier {s['verifier_vocab_size']}, draft {s['draft_vocab_size']}"
+            + (" (pruned: t2d/d2t)" if s["vocab_pruned"] else ""))
+    if s["flags"]:
+        c.print("  flags               " + ", ".join(f"{k}={v}" for k, v in s["flags"].items()))
+    t = Table(title=f"{len(s['tensors'])} tensors, {human_bytes(s['total_bytes'])}", show_lines=False)
     t.add_column("tensor")
     t.add_column("shape", justify="right")
     t.add_column("dtype")
     t.add_column("size", justify="right")
-    for n, i in sorted(infos.items()):
-        t.add_row(n, "x".join(map(str, i.shape)) or "scalar", i.dtype, human_bytes(i.nbytes))
+    for n, i in s["tensors"].items():
+        t.add_row(n, "x".join(map(str, i["shape"])) or "scalar", i["dtype"], human_bytes(i["bytes"]))
     c.print(t)
 
 
