@@ -97,6 +97,12 @@ def read_hs(path: str | os.PathLike) -> HSRecord:
     if hs.dtype.kind not in "fV" and "float" not in hs.dtype.name:
         raise HiddenStateCacheError(f"hidden_states has dtype {hs.dtype}; expected a float dtype", path=str(path),
                                     key="hidden_states")
+    if "float8" in hs.dtype.name:  # hs_connectors' FP8 connector: per-token scales beside the values
+        if "hidden_states_scales" not in f.tensors:
+            raise HiddenStateCacheError("float8 hidden_states without 'hidden_states_scales'; expected both (the "
+                                        "FP8 hidden-states connector layout)", path=str(path), key="hidden_states")
+        sc = np.asarray(f.array("hidden_states_scales"), np.float32)
+        hs = (np.asarray(hs, np.float32) * sc).astype(DTYPES["bfloat16"])
     return HSRecord(hs, ids.astype(np.int64), dict(f.metadata))
 
 

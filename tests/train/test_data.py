@@ -255,3 +255,19 @@ def test_cache_for_another_target_is_refused_before_training(tmp_path, tiny_data
     with pytest.raises(Exception, match="larger than the target vocabulary"):
         Run(load_recipe(None, base + [f"draft.target_layer_ids={TINY_AUX}", "draft.draft_vocab_size=97"]),
             target=tiny_target, progress=False)
+
+
+def test_fp8_connector_files_are_dequantised(tmp_path, tiny_data):
+    import torch
+    from safetensors.torch import save_file
+
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp8
+
+    rec = read_hs(hs_path(tiny_data, 0))
+    t = torch.from_numpy(np.asarray(rec.hidden_states, np.float32))
+    q, sc = quantize_tensor_to_fp8(t)
+    p = tmp_path / "hs_0.safetensors"
+    save_file({"hidden_states": q, "hidden_states_scales": sc, "token_ids": torch.from_numpy(rec.token_ids)}, str(p))
+    got = read_hs(p)
+    ref = dequantize_fp8_tensor(q, sc, torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(np.asarray(got.hidden_states, np.float32), ref)
