@@ -101,8 +101,9 @@ def read_hs(path: str | os.PathLike) -> HSRecord:
         if "hidden_states_scales" not in f.tensors:
             raise HiddenStateCacheError("float8 hidden_states without 'hidden_states_scales'; expected both (the "
                                         "FP8 hidden-states connector layout)", path=str(path), key="hidden_states")
-        sc = np.asarray(f.array("hidden_states_scales"), np.float32)
-        hs = (np.asarray(hs, np.float32) * sc).astype(DTYPES["bfloat16"])
+        bf16 = DTYPES["bfloat16"]
+        sc = np.asarray(f.array("hidden_states_scales")).astype(bf16)
+        hs = np.asarray(hs).astype(bf16) * sc  # as hs_connectors does: both cast to bf16, product in bf16
     return HSRecord(hs, ids.astype(np.int64), dict(f.metadata))
 
 
