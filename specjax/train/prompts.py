@@ -16,9 +16,10 @@ Built-in sets (``builtin:<name>[:<n>]``), parsed with ``ast`` from the stdlib so
 with the interpreter (nothing is imported or downloaded). Modules are split once by a hash of
 their name: ``stdlib`` (training) never uses a module the ``eval-code`` / ``eval-prose`` sets use.
 
-* ``stdlib``: a mix of code prompts (complete a function from its signature and docstring,
-  write a function from a description, add docstrings / type hints, explain or review code)
-  and prose prompts (what a function or class does, explain a module, summarise documentation).
+* ``stdlib``: a mix (``STDLIB_MIX``) of code prompts (40 % complete a function from its
+  signature and docstring, 15 % write a function from a description, 15 % explain / review /
+  test / annotate code) and 30 % prose prompts (what a function or class does, explain a module,
+  summarise documentation), drawn in that proportion from shuffled pools.
 * ``eval-code``: function-completion prompts from the held-out modules.
 * ``eval-prose``: explanation prompts from the held-out modules.
 """
@@ -302,23 +303,37 @@ def _stub(it: _Item) -> str:
     return _code_block(f"{it.header}\n{_indent_doc(_first_para(it.doc) if len(it.doc) > 600 else it.doc)}")
 
 
-def _code_prompts(it: _Item, rng: random.Random) -> list[str]:
-    out = []
+def _completion(it: _Item, rng: random.Random) -> str | None:
     if it.kind == "function" and it.header.lstrip().startswith(("def ", "async def ", "@")):
-        out.append(rng.choice(_CODE_TEMPLATES).format(stub=_stub(it)))
+        return rng.choice(_CODE_TEMPLATES).format(stub=_stub(it))
+    return None
+
+
+def _write(it: _Item, rng: random.Random) -> str | None:
+    if it.kind == "function" and it.header.lstrip().startswith(("def ", "async def ", "@")):
         name = it.qualname.split(".")[-1]
-        out.append(rng.choice(_WRITE_TEMPLATES).format(name=name, header=it.header.strip().rstrip(":"),
-                                                       summary=_first_para(it.doc)))
+        return rng.choice(_WRITE_TEMPLATES).format(name=name, header=it.header.strip().rstrip(":"),
+                                                   summary=_first_para(it.doc))
+    return None
+
+
+def _explain(it: _Item, rng: random.Random) -> str | None:
     if it.source and 4 <= it.body_lines <= 40:
-        out.append(rng.choice(_EXPLAIN_CODE).format(code=_code_block(it.source)))
-    return out
+        return rng.choice(_EXPLAIN_CODE).format(code=_code_block(it.source))
+    return None
 
 
-def _prose_prompts(it: _Item, rng: random.Random) -> list[str]:
+def _prose(it: _Item, rng: random.Random) -> str | None:
     if it.kind == "module":
-        return [rng.choice(_MODULE_PROSE).format(mod=it.module, doc=it.doc.strip()[:1200])]
+        return rng.choice(_MODULE_PROSE).format(mod=it.module, doc=it.doc.strip()[:1200])
     full = f"{it.module}.{it.qualname}"
-    return [rng.choice(_PROSE).format(full=full, doc=it.doc.strip()[:1200])]
+    return rng.choice(_PROSE).format(full=full, doc=it.doc.strip()[:1200])
+
+
+# The training mix: what users send a small chat model (function completion first, then
+# explanations), in these proportions.
+STDLIB_MIX = (("complete", 0.40, _completion), ("write", 0.15, _write), ("explain", 0.15, _explain),
+              ("prose", 0.30, _prose))
 
 
 def _collect(split: str) -> list[_Item]:
@@ -336,10 +351,24 @@ def builtin_prompts(name: str = "stdlib", n: int | None = None, *, seed: int = 0
     rng = random.Random(seed)
     if name == "stdlib":
         items = _collect("train")
-        prompts = []
-        for it in items:
-            prompts.extend(_code_prompts(it, rng))
-            prompts.extend(_prose_prompts(it, rng))
+        pools = []
+        for _, w, make in STDLIB_MIX:
+            pool = sorted({p for p in (make(it, rng) for it in items) if p})
+            rng.shuffle(pool)
+            pools.append(pool)
+        weights = [w for _, w, _ in STDLIB_MIX]
+        prompts, seen = [], set()
+        total = sum(len(p) for p in pools)
+        while len(prompts) < (n if n is not None else total):
+            live = [k for k, p in enumerate(pools) if p]
+            if not live:
+                break
+            k = rng.choices(live, weights=[weights[i] for i in live])[0]
+            p = pools[k].pop()
+            if p not in seen:
+                seen.add(p)
+                prompts.append(p)
+        return [[{"role": "user", "content": p}] for p in prompts]
     elif name == "eval-code":
         items = [it for it in _collect("eval") if it.kind == "function"
                  and it.header.lstrip().startswith(("def ", "async def "))]
