@@ -350,7 +350,10 @@ def builtin_prompts(name: str = "stdlib", n: int | None = None, *, seed: int = 0
     shuffled with ``seed`` and cut to ``n``."""
     rng = random.Random(seed)
     if name == "stdlib":
-        items = _collect("train")
+        # The same code can live in a training and a held-out module (pydoc's HTMLDoc.markup is
+        # copied into xmlrpc.server): drop such items so no evaluation prompt is trained on.
+        held_out = {(it.header, it.doc) for it in _collect("eval")}
+        items = [it for it in _collect("train") if (it.header, it.doc) not in held_out]
         pools = []
         for _, w, make in STDLIB_MIX:
             pool = sorted({p for p in (make(it, rng) for it in items) if p})
