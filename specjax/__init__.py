@@ -1,7 +1,9 @@
 """specjax: speculative decoding in JAX (a port of vllm-project/speculators).
 
 Public entry points are imported lazily so ``import specjax`` stays cheap:
-``specjax.generate(prompts, target="default", ...)`` and ``specjax.load_target(...)``.
+``specjax.generate(prompts, target="default", ...)``, ``specjax.speculative_generate(prompts,
+target=..., draft=...)``, ``specjax.load_target(...)`` and ``specjax.load_draft(...)``
+(training: ``specjax.train.train(cfg)``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ _LAZY = {
     "generate": "specjax.decode.generate",
     "load_target": "specjax.models.loading",
     "load_draft": "specjax.models.drafts.load",
+    "speculative_generate": "specjax.decode.speculative",
 }
 
 
