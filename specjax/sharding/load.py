@@ -173,15 +173,41 @@ def _main() -> bool:
 
 
 def _verifier_for(target):
-    """A sharded LoadedTarget is read back through its directory (a global array cannot be
-    copied to one host in a multi-process run)."""
+    """The verifier as ``specjax.models.drafts.load_draft`` should see it. A sharded LoadedTarget
+    with a checkpoint directory is read back through that directory; a sharded target without
+    one (a GGUF, a bare module) through its params gathered to the host one tensor at a time
+    (``to_host``: a global array of a multi-process run cannot be copied with ``np.asarray``)."""
+    from flax import nnx
+
     from specjax.sharding.apply import mesh_of
 
     src = getattr(target, "source", None)
-    model = getattr(target, "model", None)
-    if model is not None and src and (Path(src) / "config.json").is_file() and mesh_of(model) is not None:
+    model = target if isinstance(target, nnx.Module) else getattr(target, "model", None)  # CausalLM | LoadedTarget
+    if not isinstance(model, nnx.Module) or mesh_of(model) is None:
+        return target
+    if src and (Path(src) / "config.json").is_file():
         return src
-    return target
+    return _gathering_source(model)
+
+
+def _gathering_source(module):
+    from bridge.layout import path_to_flat
+    from specjax.models.drafts.verifier_weights import VerifierSource
+    from specjax.models.params import param_paths
+    from specjax.sharding.apply import to_host
+
+    table = {}
+    for path, var in param_paths(module).items():
+        name, kind = path_to_flat(path)
+        table[name] = (var, kind)
+
+    def get(n):
+        var, kind = table[n]
+        a = to_host(var.get_value())
+        return a.T if kind == "linear" else a
+
+    family = getattr(getattr(module, "config", None), "family", None)
+    return VerifierSource(table, get, model_type=family, where=type(module).__name__)
 
 
 def load_draft(path: str | os.PathLike, target: Any = None, mesh=None, *,
@@ -189,51 +215,15 @@ def load_draft(path: str | os.PathLike, target: Any = None, mesh=None, *,
                verifier_heads: bool = True):
     """``specjax.load_draft`` with every parameter placed by ``rules`` on ``mesh``: the same audit,
     vocab-map checks and verifier-owned weights (from ``target``: an HF directory, or a loaded
-    target), then each tensor from the checkpoint's memory map straight into its sharding."""
-    import bridge
-    from bridge import layout
-    from specjax.models.drafts import load as dl
-    from specjax.models.drafts.verifier_weights import fill_verifier_weights
-    from specjax.models.drafts.vocab import check_mapping
-    from specjax.models.params import load_tree
-    from specjax.sharding.apply import put
+    target), the whole abstract model checked against the rules before a tensor is read, then
+    each tensor from the checkpoint's memory map straight into its sharding (the ``place`` /
+    ``check`` hooks of :func:`specjax.models.drafts.load.load_draft`)."""
+    from specjax.models.drafts.load import load_draft as _load
 
     mesh = _mesh(mesh)
     rules = as_rules(rules)
-    path = Path(path)
-    target = _verifier_for(target)
-    if audit:
-        rep = bridge.audit(path, verifier=dl._verifier_dir(target))
-        if getattr(rep, "unreadable", None):
-            raise dl.DraftAuditError(f"audit could not read the checkpoint: {rep.unreadable}", path=str(path))
-        if rep.errors:
-            msgs = "; ".join(f"[{f.rule}] {f.message}" for f in rep.errors[:6])
-            raise dl.DraftAuditError(f"audit found {len(rep.errors)} error(s): {msgs}", path=str(path),
-                                     key=rep.errors[0].key)
-    ckpt = bridge.load_checkpoint(path)
-    cfg = ckpt.config
-    lc = cfg.layer
-    flat = ckpt.flat()  # memory-map views; nothing read yet
-    check_mapping(flat.get("t2d"), flat.get("d2t"), vocab_size=lc.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
-                  where=str(path))
-    source = dl._source(target, cfg)
-    flat = fill_verifier_weights(cfg.speculators_model_type, flat, hidden_size=lc.hidden_size,
-                                 vocab_size=lc.vocab_size, draft_vocab_size=cfg.draft_vocab_size, source=source,
-                                 where=str(path), verifier_heads=verifier_heads)
-    unit = bool(source is not None and source.gemma_style_norm and cfg.speculators_model_type in ("dflash", "dspark"))
-    t2d, d2t = flat.pop("t2d", None), flat.pop("d2t", None)
-    tree = layout.unflatten(flat, layout.TABLES[cfg.speculators_model_type], where=str(path))
-    pdtype = dtype or np.asarray(flat["lm_head.weight"]).dtype
-    model = dl.build_draft(cfg, param_dtype=pdtype, abstract=True, verifier_norm_unit_offset=unit,
-                           verifier_heads=verifier_heads)
-    partition_specs(model, rules, mesh)  # every param and buffer, before reading anything
-    load_tree(model, tree, where=str(path), place=slice_loader(mesh, rules, dtype))
-    if cfg.draft_vocab_size != lc.vocab_size:
-        model.t2d.set_value(put(np.asarray(t2d).astype(bool), NamedSharding(mesh, spec_for("t2d", (lc.vocab_size,),
-                                                                                              rules, mesh))))
-        model.d2t.set_value(put(np.asarray(d2t).astype(np.int32),
-                                NamedSharding(mesh, spec_for("d2t", (cfg.draft_vocab_size,), rules, mesh))))
-    return model
+    return _load(path, _verifier_for(target), dtype=dtype, audit=audit, verifier_heads=verifier_heads,
+                 place=slice_loader(mesh, rules, dtype), check=lambda model: partition_specs(model, rules, mesh))
 
 
 def restore_orbax(path: str | os.PathLike, mesh=None, *, rules: "PartitionRules | Iterable" = DRAFT_RULES):

@@ -8,14 +8,20 @@
    (:mod:`verifier_weights`); still absent/NaN is an error naming the tensor.
 5. The module for ``speculators_model_type`` is built (abstract, no random init) and every
    param is loaded through :func:`specjax.models.params.load_tree` (path-level errors).
+
+Placement is a hook: ``place(path, view) -> jax.Array`` puts each tensor on its device(s)
+(default ``jnp.asarray``), and ``check(module)`` sees the abstract module before any tensor is
+read. ``specjax.sharding.load_draft`` is this loader with ``place`` = a slice loader over a mesh
+and ``check`` = the partition-rule check.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -28,6 +34,13 @@ from specjax.models.params import load_tree
 
 class DraftAuditError(ModelError):
     """``bridge.audit`` found contract errors in the checkpoint; the load is refused."""
+
+
+#: ``place(path, view) -> jax.Array``: one tensor (a numpy / memory-map view, PyTorch layout
+#: already mapped to the param tree) onto its device(s). It receives the checkpoint's own dtype
+#: and is responsible for any cast (``specjax.sharding.slice_loader(mesh, rules, dtype)`` casts
+#: floats slice by slice).
+Place = Callable[[tuple, Any], jax.Array]
 
 
 _CLASSES = {"eagle3": ("eagle3", "Eagle3Draft"), "peagle": ("peagle", "PEagleDraft"),
@@ -73,8 +86,13 @@ def _verifier_dir(target: Any) -> str | None:
 
 
 def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifier_norm_unit_offset: bool = False,
-                     verifier_heads: bool = True):
-    """Build the draft for ``config`` and load a complete flat (PyTorch-layout) tensor dict."""
+                     verifier_heads: bool = True, place: Place | None = None,
+                     check: Callable[[nnx.Module], None] | None = None):
+    """Build the draft for ``config`` and load a complete flat (PyTorch-layout) tensor dict.
+
+    ``place``: see :data:`Place` (default: ``jnp.asarray`` after casting floats to ``dtype``);
+    the vocab maps go through it too, as ``("t2d",)`` / ``("d2t",)``. ``check(module)`` runs
+    on the abstract module before any tensor is read (e.g. a partition-rule check)."""
     from bridge import layout
 
     flat = dict(flat)
@@ -84,22 +102,32 @@ def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifie
     pdtype = dtype or ref
     model = build_draft(config, param_dtype=pdtype, abstract=True, verifier_norm_unit_offset=verifier_norm_unit_offset,
                         verifier_heads=verifier_heads)
-    load_tree(model, tree, where=where, dtype=dtype)
+    if check is not None:
+        check(model)
+    if place is None:
+        load_tree(model, tree, where=where, dtype=dtype)
+        put = lambda path, a: jnp.asarray(a)  # noqa: E731
+    else:  # the hook casts (slice by slice); a whole-tensor host cast here would defeat it
+        load_tree(model, tree, where=where, place=place)
+        put = place
     if config.draft_vocab_size != config.layer.vocab_size:
-        model.t2d.set_value(jnp.asarray(np.asarray(t2d).astype(bool)))
-        model.d2t.set_value(jnp.asarray(np.asarray(d2t).astype(np.int32)))
+        model.t2d.set_value(put(("t2d",), np.asarray(t2d).astype(bool)))
+        model.d2t.set_value(put(("d2t",), np.asarray(d2t).astype(np.int32)))
     return model
 
 
 def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit: bool = True,
-               verifier_heads: bool = True):
+               verifier_heads: bool = True, place: Place | None = None,
+               check: Callable[[nnx.Module], None] | None = None):
     """A ready draft module from checkpoint ``path`` and its verifier ``target`` (an HF
     directory, a loaded specjax target model, or a ``{name: array}`` mapping). ``target=None``
     uses ``speculators_config.verifier.name_or_path`` when that directory exists (as
     speculators does); without any verifier every verifier-owned tensor must be in the
     checkpoint. ``dtype``: None keeps the checkpoint's float dtype. ``verifier_heads=False``
     (inference only) builds no ``verifier_lm_head`` / ``verifier_norm``: less memory, and a
-    checkpoint that carries embed_tokens and lm_head then loads without any verifier."""
+    checkpoint that carries embed_tokens and lm_head then loads without any verifier.
+    ``place`` / ``check``: placement hooks (:func:`module_from_flat`); ``specjax.sharding.load_draft``
+    passes a mesh's slice loader and the partition-rule check."""
     import bridge
 
     path = Path(path)
@@ -124,4 +152,4 @@ def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit
                                  where=str(path), verifier_heads=verifier_heads)
     unit = bool(source is not None and source.gemma_style_norm and cfg.speculators_model_type in ("dflash", "dspark"))
     return module_from_flat(cfg, flat, dtype=dtype, where=str(path), verifier_norm_unit_offset=unit,
-                            verifier_heads=verifier_heads)
+                            verifier_heads=verifier_heads, place=place, check=check)
