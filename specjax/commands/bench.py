@@ -1,4 +1,6 @@
-"""`specjax bench`: target-only vs speculative decoding over a prompt file (one process)."""
+"""`specjax bench`: target-only vs speculative decoding over a prompt file, on one device or a
+device mesh (``--mesh``; several processes with ``--coordinator/--num-processes/--process-id``:
+every process runs the bench, process 0 prints and writes the JSON and the plot)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Optional
 import typer
 
 from specjax.commands.common import console, fail
+from specjax.sharding import cli as shcli
 
 
 def register(app: typer.Typer) -> None:
@@ -42,6 +45,10 @@ def bench_cmd(
                                             "tokens-per-step histogram"),
     repeats: int = typer.Option(1, "--repeats", min=1, help="interleaved passes; each side's fastest is kept"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="progress bar over prompts (stderr)"),
+    mesh: str = shcli.mesh_option(),
+    coordinator: Optional[str] = shcli.coordinator_option(),
+    num_processes: Optional[int] = shcli.num_processes_option(),
+    process_id: Optional[int] = shcli.process_id_option(),
 ):
     """Measure speculative decoding against the target alone: acceptance (tau, per position), tokens/s,
     speedup, the draft/target cost ratio c and the speedup the formula predicts from them."""
@@ -50,32 +57,47 @@ def bench_cmd(
     from specjax.decode.sampling import SamplingParams
     from specjax.decode.speculative import load_spec_draft
     from specjax.models.loading import load_target
+    from specjax.sharding import describe, is_main_process, load_target as load_sharded, sync
 
     try:
+        dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
+        sharded = dev_mesh.size > 1
+        main = is_main_process()
+        progress = progress and main
+        dt = None if dtype == "auto" else dtype
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         if draft_sampling not in ("greedy", "sample"):
             raise ValueError(f"--draft-sampling must be 'greedy' or 'sample', got {draft_sampling!r}")
         raw = bench.load_prompts(prompts, limit=limit)
-        lt = load_target(target, dtype=None if dtype == "auto" else dtype, cache_dir=cache_dir, progress=progress)
-        sd = load_spec_draft(draft, lt, dtype=None if dtype == "auto" else dtype)
+        if sharded:  # every parameter straight into its sharding
+            lt = load_sharded(target, dev_mesh, dtype=dt, cache_dir=cache_dir, progress=progress)
+        else:
+            lt = load_target(target, dtype=dt, cache_dir=cache_dir, progress=progress)
+        sd = load_spec_draft(draft, lt, dtype=dt, mesh=dev_mesh)
         ids = bench.encode(lt, raw, chat=chat)
         tok = lt.tokenizer
         rep = bench.run_bench(lt.model, sd, ids, k=k, sampling=sampling, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, seed=seed, eos_token_ids=lt.eos_token_ids,
                               pad_id=tok.pad_token_id if tok is not None else None, draft_sampling=draft_sampling,
-                              lossless=lossless, progress=progress, repeats=repeats, extra={"target": lt.source})
+                              lossless=lossless, progress=progress, repeats=repeats, extra={"target": lt.source},
+                              mesh=dev_mesh if sharded else None)
         if plot_path:
-            bench.plot(rep, plot_path)
+            if main:
+                bench.plot(rep, plot_path)
+            sync("specjax-bench-plot")
             rep.data["plot"] = plot_path
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
+    if not main:  # multi-process: every process ran the same bench; one reports
+        return
     d = rep.data
     if as_json:
         print(json.dumps(d))
         return
     out = console()
     out.print(f"[bold]{d['algorithm']}[/bold] draft {d['draft']} on {d['target']}: k={d['k']}, "
-              f"{d['prompts']} prompts, batch {d['batch_size']}, temperature {d['temperature']}", markup=True)
+              f"{d['prompts']} prompts, batch {d['batch_size']}, temperature {d['temperature']}"
+              + (f", {describe(dev_mesh)}" if sharded else ""), markup=True)
     out.print(f"tau {d['tau']:.3f} tokens/forward (alpha {d['alpha']:.3f}); per-position acceptance "
               + ", ".join(f"{x:.2f}" for x in d["per_position_acceptance"]) + (" [lossy]" if d["lossy"] else ""))
     out.print(f"target-only {d['target_only']['tok_s']:.1f} tok/s, speculative {d['speculative']['tok_s']:.1f} tok/s: "

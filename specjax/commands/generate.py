@@ -62,13 +62,14 @@ def generate_cmd(
         stats = None
         if draft is None:
             outs = generate(prompt, target=lt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_p=top_p, top_k=top_k, seed=seed)
+                            top_p=top_p, top_k=top_k, seed=seed, mesh=dev_mesh)
         else:
             from specjax.decode.speculative import speculative_generate
 
             outs, stats = speculative_generate(prompt, target=lt, draft=draft, chat=chat, max_new_tokens=max_new_tokens,
                                                k=k, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                               dtype=dt, draft_sampling=draft_sampling, lossless=lossless)
+                                               dtype=dt, draft_sampling=draft_sampling, lossless=lossless,
+                                               mesh=dev_mesh)
         t2 = time.perf_counter()
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))

@@ -17,6 +17,12 @@ in machine load hits both alike). It reports:
   the same with the measured verify cost, ``tau / (k c + v)``, and measured / predicted.
 
 Padding sequences (to fill the last batch) are generated and timed but not counted.
+
+With ``mesh`` (a ``jax.sharding.Mesh`` of more than one device) both loops and the cost probes
+run sharded: the target by ``TARGET_RULES`` (placed once, as a copy, when it is not on the mesh
+already), the draft by ``DRAFT_RULES``, every batch split over ``("data", "fsdp")`` and padded to
+a multiple of data x fsdp (the cost probes run at that padded batch), KV caches by batch and
+heads. Multi-process: every process runs the same bench and holds the same report.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from flax import nnx
 from specjax.decode.generate import bucket, generate_ids
 from specjax.decode.sampling import GREEDY, SamplingParams
 from specjax.decode.speculative import (
-    SpecDraft, SpecStats, alpha_from_tau, predicted_speedup, resolve_k, speculative_generate_ids, split_pair,
+    SpecDraft, SpecStats, alpha_from_tau, place_pair, predicted_speedup, resolve_k, speculative_generate_ids,
+    split_pair,
 )
 from specjax.models.drafts.common import greedy
 from specjax.models.target import KVCache
@@ -116,16 +123,37 @@ def _best_interleaved(calls, iters: int) -> list[float]:
 
 
 def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens: int, k: int, iters: int = 5,
-                  split=None) -> dict:
+                  split=None, mesh=None) -> dict:
     """Best-of-``iters`` seconds (interleaved) of one target decode step, one verify forward and one
-    draft round at the speculative loop's shapes (caches of the loop's sizes, half full)."""
+    draft round at the speculative loop's shapes (caches of the loop's sizes, half full).
+    ``mesh``: inputs and caches placed as the sharded loop places them (batch over data/fsdp,
+    heads over tensor; ``batch`` is padded to a multiple of data x fsdp), params as in ``split``
+    (default :func:`specjax.decode.speculative.place_pair`)."""
+    from specjax.decode.generate import _pin
+
+    if mesh is not None:
+        from specjax import sharding as shd
+
+        batch = shd.pad_batch(batch, mesh)
+        if split is None:
+            split = place_pair(target, draft, mesh)
     graphdef, state = split if split is not None else split_pair(target, draft)
     cfg = target.config
     S = prompt_len + max_new_tokens
-    fill = jnp.full((batch,), prompt_len + max_new_tokens // 2, jnp.int32)
+    fill_host = np.full((batch,), prompt_len + max_new_tokens // 2, np.int32)
+    fill = jnp.asarray(fill_host)
     dtype = target.model.embed_tokens.embedding[...].dtype
     tcache = KVCache.init(cfg, batch, S, dtype, lengths=fill)
     taps = tuple(draft.tap_ids(cfg.num_hidden_layers))
+
+    def put(x, ndim=None):
+        if mesh is None:
+            return x
+        return shd.put(np.asarray(x), shd.batch_sharding(mesh, np.ndim(x) if ndim is None else ndim))
+
+    if mesh is not None:
+        tcache = jax.tree.map(lambda x, sh: shd.put(np.asarray(x), sh), tcache, shd.kv_cache_sharding(mesh, tcache))
+        fill = put(fill)
 
     @jax.jit
     def step(state, ids, cache):
@@ -139,22 +167,23 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
         out = pair.target(ids, cache=cache, tap_ids=taps)
         return out.logits, out.aux_hidden_states
 
-    ids1 = jnp.ones((batch, 1), jnp.int32)
-    idsk = jnp.ones((batch, k + 1), jnp.int32)
+    ids1 = put(np.ones((batch, 1), np.int32))
+    idsk = put(np.ones((batch, k + 1), np.int32))
     _, aux = verify(state, idsk, tcache)
 
     @jax.jit
-    def draft_round(state, aux, ids, pos, nv):
+    def draft_round(state, aux, ids, pos, nv, fill):
         pair = nnx.merge(graphdef, state)
         d = pair.draft
-        dcache = d.init_cache(batch, S + 2 * (k + 1), dtype, lengths=fill)
+        dcache = _pin(d.init_cache(batch, S + 2 * (k + 1), dtype, lengths=fill), mesh)
         prop = d.speculate(dcache, d.aux_from_taps(aux), ids, pos, n_valid=nv, k=k, sample=greedy)
         return prop.tokens
 
-    pos = fill[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
+    pos = put(fill_host[:, None] + np.arange(k + 1, dtype=np.int32)[None])
+    nv = put(np.full((batch,), k + 1, np.int32))
     t_step, t_verify, t_draft = _best_interleaved(
         [(step, (state, ids1, tcache)), (verify, (state, idsk, tcache)),
-         (draft_round, (state, aux, idsk, pos, jnp.full((batch,), k + 1, jnp.int32)))], iters)
+         (draft_round, (state, aux, idsk, pos, nv, fill))], iters)
     return {"target_step_ms": round(1e3 * t_step, 3), "verify_ms": round(1e3 * t_verify, 3),
             "draft_round_ms": round(1e3 * t_draft, 3), "c": t_draft / (k * t_step),
             "verify_overhead": t_verify / t_step}
@@ -175,10 +204,11 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
               sampling: SamplingParams = GREEDY, max_new_tokens: int = 64, batch_size: int = 4, seed: int = 0,
               eos_token_ids: Sequence[int] | None = None, pad_id: int | None = None, draft_sampling: str = "greedy",
               lossless: bool = False, progress: bool = True, cost_iters: int = 10, repeats: int = 1,
-              extra: dict | None = None) -> BenchReport:
+              extra: dict | None = None, mesh=None) -> BenchReport:
     """Run the comparison (see the module docstring). ``target``: a ``CausalLM``; ``draft``: a
     :class:`SpecDraft`; prompts as token ids. ``repeats`` > 1 runs the whole interleaved pass again
-    (same seeds, same outputs) and keeps each side's fastest pass. Returns a :class:`BenchReport`."""
+    (same seeds, same outputs) and keeps each side's fastest pass. ``mesh``: run sharded (module
+    docstring); the report gains ``"mesh"``. Returns a :class:`BenchReport`."""
     from tqdm.auto import tqdm
 
     if batch_size < 1:
@@ -192,9 +222,15 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     for i in range(0, len(prompts), batch_size):
         real = prompts[i:i + batch_size]
         batches.append((real + [prompts[0]] * (batch_size - len(real)), len(real)))
-    split = split_pair(target, draft.module)
+    if mesh is not None and mesh.size <= 1:
+        mesh = None
+    if mesh is not None:
+        target = _on_mesh(target, mesh)  # once, so that no timed call re-places a copy
+        split = place_pair(target, draft.module, mesh)
+    else:
+        split = split_pair(target, draft.module)
     common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, pad_id=pad_id,
-                  prompt_bucket=P)
+                  prompt_bucket=P, mesh=mesh)
 
     def base(b, s):
         return generate_ids(target, b, seed=s, **common)
@@ -236,7 +272,7 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     compile_spec -= t_spec / len(batches)
     st = SpecStats.merge(stats)
     cost = measure_costs(target, draft.module, batch=batch_size, prompt_len=P, max_new_tokens=max_new_tokens, k=kk,
-                         iters=cost_iters, split=split)
+                         iters=cost_iters, split=split, mesh=mesh)
     tps_base, tps_spec = n_base / t_base, n_spec / t_spec
     speedup = tps_spec / tps_base
     pred = predicted_speedup(st.tau, kk, cost["c"])
@@ -262,9 +298,24 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     }
     if sampling.greedy:
         data["identical_greedy_outputs"] = f"{same}/{len(prompts)}"
+    if mesh is not None:
+        from specjax.sharding import describe
+
+        data["mesh"] = describe(mesh)
     if extra:
         data.update(extra)
     return BenchReport(data)
+
+
+def _on_mesh(target, mesh):
+    """``target`` itself when its params already live on ``mesh``, else a copy placed by
+    ``TARGET_RULES`` (the module passed in is not touched)."""
+    from specjax.sharding import TARGET_RULES, mesh_of, named_shardings
+
+    if mesh_of(target) == mesh:
+        return target
+    graphdef, state = nnx.split(target)
+    return nnx.merge(graphdef, jax.device_put(state, named_shardings(state, TARGET_RULES, mesh)))
 
 
 def plot(report: BenchReport | dict, path: str | Path) -> Path:

@@ -20,6 +20,12 @@ No host round trip inside the loop; all shapes are static (``B``, prompt bucket,
 ``max_new_tokens``); per-sequence lengths live in the caches. Any object with the shared
 draft decode entry works as the draft: every speculators algorithm in
 :mod:`specjax.models.drafts`, and :class:`specjax.decode.selfdraft.SelfDraft`.
+
+On a device mesh (``mesh=`` or params already placed on one) the same loop is jitted with
+explicit shardings (:func:`sharded_spec_fn`): target params by ``TARGET_RULES``, draft params by
+``DRAFT_RULES``, prompts / lengths / limits split by batch over ``("data", "fsdp")`` (padded to
+a multiple of data x fsdp), both KV caches pinned to batch x heads inside the loop, outputs
+replicated.
 """
 
 from __future__ import annotations
@@ -37,8 +43,8 @@ from flax import nnx
 
 from specjax.decode.accept import accept, draft_probs, is_lossy, sample_draft
 from specjax.decode.generate import (
-    GREEDY, Completion, DecodeState, GenerationResult, _get_target, cache_dtype_of, completions, emit, encode_prompts,
-    prepare, start,
+    GREEDY, Completion, DecodeState, GenerationResult, _get_target, _pin, cache_dtype_of, completions, emit,
+    encode_prompts, prepare, start,
 )
 from specjax.decode.sampling import SamplingParams
 from specjax.models.drafts.common import d2t_of, greedy
@@ -165,12 +171,14 @@ def parse_self_draft(spec: str | None) -> int | None | bool:
     return False
 
 
-def load_spec_draft(draft, target, *, dtype=None, speculative_tokens: int = 3) -> SpecDraft:
+def load_spec_draft(draft, target, *, dtype=None, speculative_tokens: int = 3, mesh=None) -> SpecDraft:
     """A :class:`SpecDraft` for ``draft``: a speculators checkpoint directory (checked against the
     target, then ``load_draft``), ``None`` / ``"self"`` / ``"self:M"`` (a :class:`SelfDraft` of the
     target's first M layers), a draft module, or a ``SpecDraft``. ``target``: a ``LoadedTarget``
     or ``CausalLM``. ``dtype`` None: the target's parameter dtype (speculators exports bf16; on a
-    CPU an f32 target runs an f32 draft much faster than a bf16 one)."""
+    CPU an f32 target runs an f32 draft much faster than a bf16 one). ``mesh`` (more than one
+    device): a checkpoint loads straight into its ``DRAFT_RULES`` shardings
+    (``specjax.sharding.load_draft``)."""
     from specjax.decode.selfdraft import SelfDraft
 
     if isinstance(draft, SpecDraft):
@@ -190,7 +198,12 @@ def load_spec_draft(draft, target, *, dtype=None, speculative_tokens: int = 3) -
     check_pair(cfg, model.config, draft_src=path, target_src=getattr(target, "source", "<module>"))
     if dtype is None:  # run the draft in the target's dtype (a bf16 checkpoint under an f32 target: f32)
         dtype = jnp.dtype(model.model.embed_tokens.embedding[...].dtype).name
-    module = load_draft(path, target, dtype=dtype, verifier_heads=False)
+    if mesh is not None and mesh.size > 1:
+        from specjax.sharding import load_draft as load_sharded
+
+        module = load_sharded(path, target, mesh, dtype=dtype, verifier_heads=False)
+    else:
+        module = load_draft(path, target, dtype=dtype, verifier_heads=False)
     return SpecDraft(module, cfg, path)
 
 
@@ -243,15 +256,18 @@ def _propose(draft, dcache, rows, next_tokens, positions, n_valid, params: SpecP
 
 def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params: SpecParams,
               max_new_tokens: int, max_len: int, draft_len: int, pad_id: int, cache_dtype, draft_dtype,
-              trace: bool = False):
+              trace: bool = False, mesh=None):
     """The traced body of the jitted program. ``relax`` f32 [2]: (verifier_accept_k, accept_tolerance),
-    runtime values (the exact rule unless k > 1 and tolerance > 0). Returns the final :class:`SpecState`."""
+    runtime values (the exact rule unless k > 1 and tolerance > 0). ``mesh``: pin the target and
+    draft KV caches to ``specjax.sharding.kv_cache_sharding`` (batch on data/fsdp, heads on
+    tensor) at the start and every round. Returns the final :class:`SpecState`."""
     B, P = prompt_ids.shape
     k = params.k
     V = target.config.vocab_size
     taps = tuple(draft.tap_ids(target.config.num_hidden_layers))
     dec, aux = start(target, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
-                     max_len=max_len, sampling=params.sampling, pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps)
+                     max_len=max_len, sampling=params.sampling, pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps,
+                     mesh=mesh)
     kd, dkey = jax.random.split(dec.key)
     dec = dec._replace(key=dkey)
     # prompt rows: row j holds the target state after token j; its next token is j+1 (the first
@@ -259,8 +275,9 @@ def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
     nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.full((B, 1), pad_id, prompt_ids.dtype)], axis=1)
     nxt = nxt.at[jnp.arange(B), prompt_lens - 1].set(dec.last.astype(prompt_ids.dtype))
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    dcache = draft.init_cache(B, draft_len, draft_dtype)
+    dcache = _pin(draft.init_cache(B, draft_len, draft_dtype), mesh)
     prop, q, dcache = _propose(draft, dcache, draft.aux_from_taps(aux), nxt, pos, prompt_lens, params, kd, V)
+    dcache = _pin(dcache, mesh)
     R = max(max_new_tokens - 1, 1)
     tr = ((jnp.zeros((R, B, k), jnp.int32), jnp.zeros((R, B), jnp.int32), jnp.zeros((R, B), jnp.int32),
            jnp.zeros((R, B), bool)) if trace else ())
@@ -279,7 +296,7 @@ def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
                      verifier_accept_k=relax[0], accept_tolerance=relax[1])
         live = ~d.done
         n_commit = jnp.where(live, res.num_accepted + 1, 0).astype(jnp.int32)
-        d = d._replace(step=d.step + 1, cache=out.cache.rollback(L + n_commit), key=nkey)
+        d = d._replace(step=d.step + 1, cache=_pin(out.cache.rollback(L + n_commit), mesh), key=nkey)
         d = emit(d, res.tokens, res.num_accepted + 1, eos_ids, pad_id)
         hist = s.hist + jnp.where(live[:, None], (ar[None] == res.num_accepted[:, None]).astype(jnp.int32), 0)
         tr = s.trace
@@ -289,26 +306,101 @@ def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
         # hand-off: target rows of the committed tokens (verify positions 0..n), next token of each
         rows = draft.aux_from_taps(out.aux_hidden_states)
         prop, q, dcache = _propose(draft, s.dcache, rows, res.tokens, L[:, None] + ar[None], n_commit, params, kd, V)
-        return SpecState(d, dcache, prop, q, hist, tr)
+        return SpecState(d, _pin(dcache, mesh), prop, q, hist, tr)
 
     return jax.lax.while_loop(cond, body, st)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "params", "max_new_tokens", "max_len", "draft_len", "pad_id",
-                                             "cache_dtype", "draft_dtype", "trace"))
-def _spec_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params, max_new_tokens,
-              max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace):
+def _spec_outputs(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params, max_new_tokens,
+                  max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace, mesh=None):
     TRACE_COUNT["speculative"] += 1
     pair = nnx.merge(graphdef, state)
     st = spec_core(pair.target, pair.draft, prompt_ids, prompt_lens, limits, key, eos_ids, relax, params=params,
                    max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len, pad_id=pad_id,
-                   cache_dtype=cache_dtype, draft_dtype=draft_dtype, trace=trace)
+                   cache_dtype=cache_dtype, draft_dtype=draft_dtype, trace=trace, mesh=mesh)
     out = {"tokens": st.dec.tokens, "num_tokens": st.dec.num_tokens, "eos_hit": st.dec.eos_hit, "hist": st.hist,
            "rounds": st.dec.step}
     if trace:
         out.update(proposals=st.trace[0], accepted=st.trace[1], start_length=st.trace[2], live=st.trace[3],
                    target_cache=st.dec.cache, draft_cache=st.dcache)
     return out
+
+
+_STATIC = ("graphdef", "params", "max_new_tokens", "max_len", "draft_len", "pad_id", "cache_dtype", "draft_dtype",
+           "trace")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _spec_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params, max_new_tokens,
+              max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace):
+    return _spec_outputs(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, params=params,
+                         max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len, pad_id=pad_id,
+                         cache_dtype=cache_dtype, draft_dtype=draft_dtype, trace=trace)
+
+
+_SHARDED_JITS: dict = {}
+
+
+def sharded_spec_fn(mesh, state):
+    """The speculative loop jitted for ``mesh`` with explicit shardings, like
+    :func:`specjax.decode.generate.sharded_generate_fn`: the pair state (``split_pair``) in its own
+    shardings (:func:`place_pair`), prompts ``[B, P]`` / lengths / limits ``[B]`` split by batch over
+    ``("data", "fsdp")``, PRNG key data, EOS ids and the relaxation pair replicated; outputs
+    replicated so every process can read them. Both KV caches are pinned inside the loop.
+    Positional call: ``fn(state, prompt_ids, prompt_lens, limits, key_data, eos_ids, relax,
+    *static)`` with the static arguments in ``_STATIC`` order (``jax.jit`` takes no keyword
+    arguments when ``in_shardings`` is given). Cached per (mesh, state structure, shardings)."""
+    from specjax import sharding as shd
+
+    p_sh = shd.shardings_of(state)
+    cache_key = (mesh, jax.tree.structure(state), tuple(jax.tree.leaves(p_sh)))
+    fn = _SHARDED_JITS.get(cache_key)
+    if fn is None:
+        def run(state, prompt_ids, prompt_lens, limits, key_data, eos_ids, relax, graphdef, params, max_new_tokens,
+                max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace):
+            return _spec_outputs(graphdef, state, prompt_ids, prompt_lens, limits, jax.random.wrap_key_data(key_data),
+                                 eos_ids, relax, params=params, max_new_tokens=max_new_tokens, max_len=max_len,
+                                 draft_len=draft_len, pad_id=pad_id, cache_dtype=cache_dtype, draft_dtype=draft_dtype,
+                                 trace=trace, mesh=mesh)
+
+        b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
+        fn = jax.jit(run, static_argnums=tuple(range(7, 7 + len(_STATIC))),
+                     in_shardings=(p_sh, b2, b1, b1, rep, rep, rep), out_shardings=rep)
+        _SHARDED_JITS[cache_key] = fn
+    return fn
+
+
+_PAIR_RULES = {"target": "TARGET_RULES", "draft": "DRAFT_RULES"}
+
+
+def place_pair(target: CausalLM, draft, mesh, *, split=None):
+    """``(graphdef, state)`` of the target/draft pair (``split_pair``) with the state on ``mesh``:
+    the ``target`` part by ``TARGET_RULES``, the ``draft`` part by ``DRAFT_RULES`` (a self draft's
+    layers shared with the target are one variable, under whichever part nnx files it; the
+    decoder rules of both tables agree). A part whose every leaf already lives on ``mesh`` keeps
+    its own shardings; any other part is placed as a copy (the modules are not touched). Raises
+    ``specjax.sharding`` rule errors naming the parameter and the mesh."""
+    from jax.sharding import NamedSharding
+
+    from specjax import sharding as shd
+
+    graphdef, state = split if split is not None else split_pair(target, draft)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    parts: dict[str, dict] = {}
+    for i, (kp, x) in enumerate(flat):
+        head, _, rest = shd.path_str(kp).partition(".")
+        parts.setdefault(head, {})[rest] = (i, x)
+    leaves = [x for _, x in flat]
+    for head, items in parts.items():
+        xs = {rest: x for rest, (_, x) in items.items()}
+        if all(isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
+               for x in xs.values()):
+            continue
+        rules = getattr(shd, _PAIR_RULES.get(head, "DRAFT_RULES"))
+        placed = jax.device_put(xs, shd.named_shardings(xs, rules, mesh))
+        for rest, (i, _) in items.items():
+            leaves[i] = placed[rest]
+    return graphdef, jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 # ----------------------------------------------------------------------------- results
@@ -419,7 +511,7 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
                              context_length: int | None = None, prompt_bucket: int = 32,
                              draft_sampling: str = "greedy", verifier_accept_k: int | None = None,
                              accept_tolerance: float | None = None, lossless: bool = False, trace: bool = False,
-                             split=None) -> SpecResult:
+                             split=None, mesh=None) -> SpecResult:
     """Speculative generation over token-id prompts (ragged batch), same stopping rules and
     output format as :func:`specjax.decode.generate.generate_ids` plus acceptance statistics.
 
@@ -429,7 +521,15 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
     ``verifier_accept_k`` / ``accept_tolerance``: default the checkpoint's (lossy when relaxed; the
     stats say so); ``lossless=True`` forces the exact rule. ``trace=True`` also returns per-round
     proposals, accept counts and the final caches (tests). ``split``: a cached
-    ``split_pair(target, draft.module)`` to skip re-splitting the modules.
+    ``split_pair(target, draft.module)`` (or ``place_pair(..., mesh)``) to skip re-splitting the
+    modules.
+
+    Sharded: when ``mesh`` (a ``jax.sharding.Mesh`` of more than one device) is given, or the
+    target's / draft's params already live on a multi-device mesh, the loop runs under
+    :func:`sharded_spec_fn` (a part of the pair not on the mesh is placed as a copy by its rules,
+    :func:`place_pair`); the batch is padded to a multiple of data x fsdp with rows that emit
+    nothing, and only the real rows come back (tokens, stop reasons, acceptance stats alike).
+    Multi-process: every process calls this with the same prompts and gets the same result.
     """
     sd = as_spec_draft(draft)
     kk = resolve_k(sd, k)
@@ -445,20 +545,64 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
     draft_len = P + max_new_tokens + 2 * (kk + 1)
     graphdef, state = split if split is not None else split_pair(target, sd.module)
     ddtype = _draft_dtype(sd.module)
+    mesh = _mesh_for(state, mesh)
+    if mesh is not None:
+        graphdef, state = place_pair(target, sd.module, mesh, split=(graphdef, state))
+        out = _spec_sharded(mesh, graphdef, state, b, vak=vak, tol=tol, seed=seed, params=params,
+                            max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len),
+                            cache_dtype=cache_dtype_of(target), draft_dtype=ddtype, trace=bool(trace))
+        return _result(out, b, len(prompts), kk, vak, tol, trace)
     out = _spec_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
                     jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), jnp.asarray([vak, tol], jnp.float32),
                     params=params,
                     max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len), pad_id=b.pad,
                     cache_dtype=cache_dtype_of(target), draft_dtype=ddtype, trace=bool(trace))
-    out = jax.device_get(out)
+    return _result(jax.device_get(out), b, len(prompts), kk, vak, tol, trace)
+
+
+def _result(out: dict, b, n: int, k: int, vak, tol, trace: bool) -> SpecResult:
+    """Host outputs of the jitted loop (rows past ``n``: batch padding, dropped) -> :class:`SpecResult`."""
     toks, num, eos_hit = out["tokens"], out["num_tokens"], out["eos_hit"]
-    res = SpecResult(tokens=[toks[i, : num[i]].tolist() for i in range(len(prompts))],
-                     stop_reasons=["eos" if e else "length" for e in eos_hit], prompt_lengths=b.lens.tolist(),
-                     stats=SpecStats(kk, np.asarray(out["hist"]), is_lossy(vak, tol)), rounds=int(out["rounds"]))
+    res = SpecResult(tokens=[toks[i, : num[i]].tolist() for i in range(n)],
+                     stop_reasons=["eos" if e else "length" for e in eos_hit[:n]], prompt_lengths=b.lens.tolist(),
+                     stats=SpecStats(k, np.asarray(out["hist"])[:n], is_lossy(vak, tol)), rounds=int(out["rounds"]))
     if trace:
         res.trace = {key: out[key] for key in ("proposals", "accepted", "start_length", "live", "target_cache",
                                                "draft_cache")}
     return res
+
+
+def _mesh_for(state, mesh):
+    """The mesh the loop runs on: ``mesh`` if it has more than one device, else the mesh the
+    pair's params already live on (None: the single-device program)."""
+    from specjax.sharding import mesh_of
+
+    if mesh is None:
+        mesh = mesh_of(state)
+    return mesh if mesh is not None and mesh.size > 1 else None
+
+
+def _spec_sharded(mesh, graphdef, state, b, *, vak, tol, seed: int, params: SpecParams, max_new_tokens: int,
+                  max_len: int, draft_len: int, cache_dtype, draft_dtype, trace: bool) -> dict:
+    """Pad the batch to a multiple of data x fsdp (extra rows: limit 0, done at once, no stats),
+    run :func:`sharded_spec_fn`, return host outputs (every row; :func:`_result` drops the padding)."""
+    from specjax import sharding as shd
+
+    B = b.ids.shape[0]
+    Bp = shd.pad_batch(B, mesh)
+    ids = np.full((Bp, b.ids.shape[1]), b.pad, np.int32)
+    ids[:B] = b.ids
+    lens = np.ones((Bp,), np.int32)
+    lens[:B] = b.lens
+    limits = np.zeros((Bp,), np.int32)
+    limits[:B] = b.limits
+    fn = sharded_spec_fn(mesh, state)
+    b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
+    key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
+    out = fn(state, shd.put(ids, b2), shd.put(lens, b1), shd.put(limits, b1), shd.put(key_data, rep),
+             shd.put(np.asarray(b.eos, np.int32), rep), shd.put(np.asarray([vak, tol], np.float32), rep),
+             graphdef, params, max_new_tokens, max_len, draft_len, b.pad, cache_dtype, draft_dtype, trace)  # _STATIC
+    return jax.tree.map(shd.to_host, out)
 
 
 def _draft_dtype(module):
@@ -474,12 +618,15 @@ def _draft_dtype(module):
 def speculative_generate(prompts, *, target=None, draft="self", chat: bool = False, max_new_tokens: int = 64,
                          k: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                          seed: int = 0, dtype=None, eos_token_ids: Sequence[int] | None = None, cache_dir=None,
-                         draft_sampling: str = "greedy", lossless: bool = False) -> tuple[list[Completion], SpecStats]:
+                         draft_sampling: str = "greedy", lossless: bool = False,
+                         mesh=None) -> tuple[list[Completion], SpecStats]:
     """Speculative counterpart of :func:`specjax.decode.generate.generate`: the same prompts/target
     arguments, plus ``draft`` (a speculators checkpoint directory, ``"self"`` / ``"self:M"``, a
-    module or a :class:`SpecDraft`) and ``k``. Returns the completions and the acceptance stats."""
-    lt = _get_target(target, dtype, cache_dir)
-    sd = load_spec_draft(draft, lt, dtype=dtype)
+    module or a :class:`SpecDraft`) and ``k``. Returns the completions and the acceptance stats.
+    ``mesh`` (a ``jax.sharding.Mesh``, ``specjax.sharding.make_mesh``): a target or draft given by
+    path loads sharded on it and the loop runs sharded (see :func:`speculative_generate_ids`)."""
+    lt = _get_target(target, dtype, cache_dir, mesh)
+    sd = load_spec_draft(draft, lt, dtype=dtype, mesh=mesh)
     ids = encode_prompts(lt, prompts, chat=chat)
     eos = lt.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
     tok = lt.tokenizer
@@ -487,5 +634,5 @@ def speculative_generate(prompts, *, target=None, draft="self", chat: bool = Fal
     res = speculative_generate_ids(lt.model, sd, ids, k=k, max_new_tokens=max_new_tokens,
                                    sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
                                    seed=seed, eos_token_ids=eos, pad_id=pad, draft_sampling=draft_sampling,
-                                   lossless=lossless)
+                                   lossless=lossless, mesh=mesh)
     return completions(lt, ids, res), res.stats
