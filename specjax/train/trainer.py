@@ -13,9 +13,33 @@ Run directory (``trainer.output_dir``)::
 Precision: float32 master weights; the step casts params and inputs to ``compute_dtype``
 (bf16 by default, as speculators' autocast) and computes losses in float32.
 
-Exact resume: the data order is a function of (seed, epoch) (speculators' multipack order), the
-step's randomness (DFlash anchors) is ``fold_in(key(seed), step)``, and params / optimizer
-state are restored bit for bit, so a resumed run ends at the parameters of an uninterrupted one.
+Exact resume: the data order is a function of (seed, epoch, rows per step) (speculators'
+multipack order), the step's randomness (DFlash anchors) is ``fold_in(key(seed), step)``, and
+params / optimizer state are restored bit for bit, so a resumed run ends at the parameters of an
+uninterrupted one.
+
+On a mesh (``Run(cfg, mesh=...)``; ``None`` = one device, the default): draft params, frozen
+tensors and optimizer state are placed by ``DRAFT_RULES`` / ``OPTIMIZER_RULES`` and the train and
+eval steps are ``jax.jit`` with explicit in/out shardings (params and optimizer state keep theirs,
+metrics replicated); see :mod:`specjax.train.sharded`.
+
+Data parallelism, as speculators' DDP: with ``N = data x fsdp`` (or ``data_parallel=N``) each
+step takes ``N`` packed rows, ``[N, T]``: row ``r`` of step ``i`` is what speculators'
+``MultipackDistributedBatchSamplerV2`` gives rank ``r`` of ``N`` at step ``i``. The loss is the
+*mean of the per-row losses* (each row's loss is normalised by its own supervised tokens), so
+the gradient is the mean of the per-row gradients: what DDP's all-reduce average of per-rank
+gradients gives. Gradient clipping then acts on that averaged gradient, as in DDP. Logged
+accuracy metrics pool the counts of all rows. Validation packs the held-out rows as on one
+device (``N = 1`` packing), evaluates ``N`` of them per step (empty filler rows count nothing)
+and sums every metric over rows, so validation numbers do not depend on the mesh.
+
+A resume must use the same ``N`` (the data order depends on it); a different one is refused
+with an error naming both meshes. The mesh itself may change (same ``N``): the checkpoint is
+restored into the new mesh's shardings.
+
+Multi-process: every process runs the same ``Run``; Orbax writes checkpoints collectively;
+only process 0 writes ``metrics.jsonl``, ``summary.json``, ``run.yaml``, ``resume.json``, the
+exports, and prints progress.
 """
 
 from __future__ import annotations
@@ -49,7 +73,8 @@ from specjax.train.objectives import (
 from specjax.train.optim import build_optimizer, resolve_schedule_steps
 from specjax.train.packing import PREPROCESS, collate, multipack_batches
 
-TRACE_COUNT = {"train_step": 0, "eval_step": 0}
+TRACE_COUNT = {"train_step": 0, "eval_step": 0}  # every trace in this process (per run: StepFns.traces)
+PARALLEL_KEY = "_parallel"  # resume.json: rows per step and the mesh of the run
 FROZEN = ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm")
 
 
@@ -64,7 +89,7 @@ class TrainData:
     """Rows of a data directory with their cached hidden states, packed per (seed, epoch)."""
 
     def __init__(self, data_dir: str | os.PathLike, rows, indices, *, algo: str, num_aux: int, hidden_size: int,
-                 total_seq_len: int, seed: int):
+                 total_seq_len: int, seed: int, replicas: int = 1):
         self.dir = Path(data_dir)
         self.rows = rows
         self.indices = np.asarray(list(indices), np.int64)
@@ -73,7 +98,9 @@ class TrainData:
         self.hidden = hidden_size
         self.T = total_seq_len
         self.seed = seed
+        self.replicas = int(replicas)
         self._epochs: dict[int, list[np.ndarray]] = {}
+        self._steps: dict[int, list[tuple[np.ndarray, ...]]] = {}
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -84,6 +111,25 @@ class TrainData:
             self._epochs[epoch] = [self.indices[b] for b in
                                    multipack_batches(lens, self.T, seed=self.seed, epoch=epoch)]
         return self._epochs[epoch]
+
+    def step_batches(self, epoch: int) -> list[tuple[np.ndarray, ...]]:
+        """One tuple of ``replicas`` row-index arrays per step: element ``r`` is the packed row
+        speculators' multipack sampler gives rank ``r`` of ``replicas`` (``(b,)`` for one replica:
+        :meth:`epoch_batches`)."""
+        if epoch not in self._steps:
+            if self.replicas == 1:
+                self._steps[epoch] = [(b,) for b in self.epoch_batches(epoch)]
+            else:
+                lens = [len(self.rows.input_ids[i]) for i in self.indices]
+                per_rank = [multipack_batches(lens, self.T, seed=self.seed, epoch=epoch, num_replicas=self.replicas,
+                                              rank=r) for r in range(self.replicas)]
+                self._steps[epoch] = [tuple(self.indices[b] for b in step) for step in zip(*per_rank)]
+        return self._steps[epoch]
+
+    def tokens(self, idx: np.ndarray) -> int:
+        """Non-padding positions of the packed row of ``idx`` (from the row lengths alone)."""
+        shift = 1 if PREPROCESS[self.algo] is not None else 0
+        return min(self.T, sum(max(len(self.rows.input_ids[int(i)]) - shift, 0) for i in idx))
 
     def sample(self, i: int) -> dict:
         p = hs_path(self.dir, i)
@@ -106,14 +152,14 @@ class TrainData:
 class Prefetch:
     """Builds the next packed rows on a background thread (numpy releases the GIL while copying)."""
 
-    def __init__(self, data: TrainData, items: list[tuple[int, np.ndarray]], depth: int = 2):
+    def __init__(self, build: Callable[[Any], Any], items: list[tuple[int, Any]], depth: int = 2):
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.err = None
 
         def run():
             try:
                 for key, idx in items:
-                    self.q.put((key, data.batch(idx)))
+                    self.q.put((key, build(idx)))
             except BaseException as e:  # surfaced in the consumer
                 self.err = e
             self.q.put(None)
@@ -142,9 +188,23 @@ def _cast(tree, dtype):
 class StepFns:
     train_step: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics)
     eval_step: Callable  # (params, batch) -> metrics
+    traces: dict  # {"train_step": n, "eval_step": n}: compiles of these two functions
 
 
-def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig) -> StepFns:
+def _key(rng):
+    """A batch's ``rng``: a typed key, or raw key data ``uint32 [2]`` (what a mesh batch carries)."""
+    return jax.random.wrap_key_data(rng) if rng.dtype == jnp.uint32 else rng
+
+
+def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> StepFns:
+    """The jitted train / eval steps. ``shardings`` (:class:`specjax.train.sharded.StepShardings`)
+    makes both ``jax.jit`` with explicit in/out shardings (params, optimizer state and frozen
+    tensors as given, the batch on ``("data", "fsdp")``, metrics replicated) and donates the
+    params and optimizer state; ``None`` = one device.
+
+    A batch is ``[N, T, ...]``: the loss (and so the gradient) is the mean over the ``N`` rows of
+    each row's loss. The eval step sums every metric over the rows of a batch that hold tokens
+    (empty filler rows count nothing)."""
     algo = cfg.speculator_type
     cdt = jnp.bfloat16 if cfg.trainer.compute_dtype == "bfloat16" else jnp.float32
     spec = parse_loss_spec(cfg.loss.loss_fn)
@@ -153,6 +213,8 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig) -> StepFns:
 
     def forward(params, frozen, batch):
         model = nnx.merge(graphdef, _cast(params, cdt), _cast(frozen, cdt))
+        if "rng" in batch:
+            batch = dict(batch, rng=_key(batch["rng"]))
         hs = batch["hidden_states"].astype(cdt)
         y = batch["verifier_last_hidden_states"].astype(cdt)
         if algo == "eagle3":
@@ -167,21 +229,42 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig) -> StepFns:
                                 per_position_loss_weight=f.per_position_loss_weight, gamma=f.dflash_decay_gamma,
                                 dpace_alpha=f.dpace_alpha, sample_from_anchor=f.sample_from_anchor)
 
-    @jax.jit
+    traces = {"train_step": 0, "eval_step": 0}
+
     def _train(params, opt_state, batch, frozen):
         TRACE_COUNT["train_step"] += 1
+        traces["train_step"] += 1
         (loss, metrics), grads = jax.value_and_grad(forward, has_aux=True)(params, frozen, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = dict(metrics, grad_norm=(optax.tree.norm(grads), jnp.ones((), jnp.float32)))
         return params, opt_state, metrics
 
-    @jax.jit
     def _eval(params, batch, frozen):
         TRACE_COUNT["eval_step"] += 1
-        return forward(params, frozen, batch)[1]
+        traces["eval_step"] += 1
+        if batch["input_ids"].shape[0] == 1:
+            return forward(params, frozen, batch)[1]
+        rows = {k: v for k, v in batch.items() if k != "rng"}
 
-    return StepFns(lambda p, o, b: _train(p, o, b, frozen), lambda p, b: _eval(p, b, frozen))
+        def one(row):  # one packed row as a batch of 1, as a single-row validation step sees it
+            b = {k: v[None] for k, v in row.items()}
+            if "rng" in batch:
+                b["rng"] = batch["rng"]
+            return forward(params, frozen, b)[1]
+
+        per_row = jax.vmap(one)(rows)  # {name: (sum [N], total [N])}
+        real = jnp.any(batch["document_ids"] >= 0, axis=-1).astype(jnp.float32)  # [N]
+        return jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32) * real), per_row)
+
+    if shardings is None:
+        train_j, eval_j = jax.jit(_train), jax.jit(_eval)
+    else:
+        s = shardings
+        train_j = jax.jit(_train, in_shardings=(s.params, s.opt_state, s.batch, s.frozen),
+                          out_shardings=(s.params, s.opt_state, s.replicated), donate_argnums=(0, 1))
+        eval_j = jax.jit(_eval, in_shardings=(s.params, s.batch, s.frozen), out_shardings=s.replicated)
+    return StepFns(lambda p, o, b: train_j(p, o, b, frozen), lambda p, b: eval_j(p, b, frozen), traces)
 
 
 def device_batch(b: dict, rng=None) -> dict:
@@ -195,15 +278,33 @@ def device_batch(b: dict, rng=None) -> dict:
 
 
 class Run:
-    """Everything one ``specjax train`` needs, built before any long work starts."""
+    """Everything one ``specjax train`` needs, built before any long work starts.
 
-    def __init__(self, cfg: TrainConfig, *, target=None, resume: bool = False, overwrite: bool = False,
-                 progress: bool = True, log: Callable[[str], None] | None = None):
+    ``mesh``: ``None`` (one device), a ``jax.sharding.Mesh``, or anything
+    :func:`specjax.sharding.make_mesh` takes (``"cpu-8"``, ``"data=2,tensor=4"``, ``(2, 2, 2)``).
+    ``data_parallel``: packed rows per step, ``N`` (default: the mesh's ``data x fsdp``, 1 without
+    a mesh); a multiple of ``data x fsdp``. ``Run(cfg, data_parallel=8)`` on one device takes the
+    same rows, in the same order, as an 8-way data-parallel mesh (and speculators' DDP on 8 ranks)."""
+
+    def __init__(self, cfg: TrainConfig, *, target=None, mesh=None, data_parallel: int | None = None,
+                 resume: bool = False, overwrite: bool = False, progress: bool = True,
+                 log: Callable[[str], None] | None = None):
+        from specjax.sharding import batch_divisor, describe, is_main_process, make_mesh
+
         self.cfg = cfg
-        self.log = log or (lambda s: None)
-        self.progress = progress
+        self.main = is_main_process()
+        self.log = (log or (lambda s: None)) if self.main else (lambda s: None)
+        self.progress = progress and self.main
         self.out = Path(cfg.trainer.output_dir)
         self.resume = resume
+        self.mesh = None if mesh is None else make_mesh(mesh)
+        self.mesh_desc = describe(self.mesh) if self.mesh is not None else "1 device (no mesh)"
+        div = batch_divisor(self.mesh) if self.mesh is not None else 1
+        n = div if data_parallel is None else int(data_parallel)
+        if n < 1 or n % div:
+            raise TrainError(f"data_parallel={data_parallel}: the rows per step must be a positive multiple of data x "
+                             f"fsdp = {div} on {self.mesh_desc}", key="data_parallel")
+        self.replicas = n
         self._check_output(resume, overwrite)
         from specjax.models.loading import LoadedTarget, load_target
 
@@ -255,8 +356,8 @@ class Run:
                                f"{cfg.data.train_data_ratio})", path=str(ddir), key="train_data_ratio")
         mk = dict(algo=algo, num_aux=len(self.aux), hidden_size=tc.hidden_size, total_seq_len=cfg.data.total_seq_len,
                   seed=cfg.seed)
-        self.train_data = TrainData(ddir, rows, tr, **mk)
-        self.val_data = TrainData(ddir, rows, va, **mk) if len(va) else None
+        self.train_data = TrainData(ddir, rows, tr, replicas=self.replicas, **mk)
+        self.val_data = TrainData(ddir, rows, va, **mk) if len(va) else None  # packed as on one device
         # ---- vocabulary
         V = tc.vocab_size
         Vd = cfg.draft.draft_vocab_size or V
@@ -300,9 +401,12 @@ class Run:
                                              verifier=verifier_name(target, cfg.verifier_name_or_path),
                                              verifier_arch=tc.architecture, **extra)
         # ---- schedule
-        self.steps_per_epoch = len(self.train_data.epoch_batches(0))
+        self.steps_per_epoch = len(self.train_data.step_batches(0))
         if self.steps_per_epoch == 0:
-            raise DatasetError("no training batches (the train split is empty)", path=str(ddir))
+            why = "the train split is empty" if self.replicas == 1 else (
+                f"the train split has {len(tr)} rows; {self.replicas} packed rows per step ({self.mesh_desc}) need "
+                f"at least {self.replicas}")
+            raise DatasetError(f"no training batches ({why})", path=str(ddir))
         planned = cfg.trainer.epochs * self.steps_per_epoch
         self.total_steps = min(planned, cfg.trainer.max_steps) if cfg.trainer.max_steps else planned
         sched_total = cfg.scheduler.scheduler_total_steps or (cfg.trainer.max_steps or planned)
@@ -334,6 +438,15 @@ class Run:
             rj = self.out / "resume.json"
             if rj.is_file():
                 old = json.loads(rj.read_text(encoding="utf-8"))
+                old_n = int(old.pop(PARALLEL_KEY, {}).get("rows_per_step", 1))
+                if old_n != self.replicas:
+                    old_mesh = json.loads(rj.read_text(encoding="utf-8")).get(PARALLEL_KEY, {}).get(
+                        "mesh", "1 device (no mesh)")
+                    raise ResumeError(
+                        f"this run was trained with {old_n} packed row(s) per step on {old_mesh}; resuming on "
+                        f"{self.mesh_desc} gives {self.replicas} (data x fsdp), which changes the data order. Resume on "
+                        f"a mesh whose data x fsdp is {old_n} (or pass data_parallel={old_n}), or start a new "
+                        "trainer.output_dir", path=str(rj), key="data_parallel")
                 new = self.cfg.resume_key()
                 changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
                 if changed:
@@ -344,12 +457,16 @@ class Run:
             if not overwrite:
                 raise TrainError("trainer.output_dir already holds a run; pass --resume to continue it or --overwrite "
                                  "to start over", path=str(self.out))
-            for sub in ("checkpoints", "best", "last", "metrics.jsonl", "summary.json", "resume.json"):
-                p = self.out / sub
-                if p.is_dir():
-                    shutil.rmtree(p)
-                elif p.exists():
-                    p.unlink()
+            if self.main:
+                for sub in ("checkpoints", "best", "last", "metrics.jsonl", "summary.json", "resume.json"):
+                    p = self.out / sub
+                    if p.is_dir():
+                        shutil.rmtree(p)
+                    elif p.exists():
+                        p.unlink()
+            from specjax.sharding import sync
+
+            sync("specjax-train-overwrite")
 
     # ------------------------------------------------------------------ state
     def build_state(self):
@@ -366,12 +483,30 @@ class Run:
             muon_momentum=o.muon_momentum, muon_weight_decay=o.muon_weight_decay, muon_ns_steps=o.muon_ns_steps,
             muon_adjust_lr_fn=o.muon_adjust_lr_fn, scheduler_type=cfg.scheduler.scheduler_type, warmup=self.warmup,
             total=self.sched_total, num_cycles=cfg.scheduler.scheduler_num_cosine_cycles, max_grad_norm=o.max_grad_norm)
-        opt_state = self.tx.init(params)
-        self.fns = make_step_fns(graphdef, frozen, self.tx, cfg)
+        self.shardings = None
+        if self.mesh is None:
+            opt_state = self.tx.init(params)
+        else:
+            from specjax.train import sharded
+
+            self.shardings = sh = sharded.step_shardings(params, frozen, self.tx, self.mesh)
+            params = sharded.place(params, sh.params)
+            self.frozen = frozen = sharded.place(frozen, sh.frozen)
+            opt_state = jax.jit(self.tx.init, out_shardings=sh.opt_state)(params)
+        self.fns = make_step_fns(graphdef, frozen, self.tx, cfg, self.shardings)
         return params, opt_state
 
     def model_of(self, params):
         return nnx.merge(self.graphdef, params, self.frozen)
+
+    def host_model_of(self, params):
+        """``model_of`` with host copies when some leaf lives on other processes (a collective:
+        every process calls it; exports then happen on process 0)."""
+        from specjax.train import sharded
+
+        if not (sharded.needs_gather(params) or sharded.needs_gather(self.frozen)):
+            return self.model_of(params)
+        return nnx.merge(self.graphdef, sharded.to_host_tree(params), sharded.to_host_tree(self.frozen))
 
     # ------------------------------------------------------------------ checkpoints
     def _manager(self):
@@ -394,18 +529,56 @@ class Run:
         step = mngr.latest_step()
         if step is None:
             raise ResumeError("no complete checkpoint to resume from", path=str(self.out / "checkpoints"))
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+        state = {"params": params, "opt_state": opt_state}
+        if self.shardings is None:
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        else:
+            from specjax.sharding import abstract_with_shardings
+
+            abstract = abstract_with_shardings(state, {"params": self.shardings.params,
+                                                       "opt_state": self.shardings.opt_state})
         got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                          meta=ocp.args.JsonRestore()))
         return step, got["state"]["params"], got["state"]["opt_state"], dict(got["meta"])
 
     # ------------------------------------------------------------------ validation / export
+    def val_steps(self) -> list[tuple[np.ndarray, ...]]:
+        """Validation rows packed as on one device, ``replicas`` per step (the last step filled
+        with empty rows, which count nothing)."""
+        rows = [b for (b,) in self.val_data.step_batches(0)]
+        n = self.replicas
+        rows += [np.zeros((0,), np.int64)] * (-len(rows) % n)
+        return [tuple(rows[i: i + n]) for i in range(0, len(rows), n)]
+
+    def host_rows(self, data: TrainData, step: tuple[np.ndarray, ...]) -> dict[int, dict]:
+        """The packed rows of one step that this process feeds: ``{row: [1, T, ...] arrays}``."""
+        return {r: data.batch(step[r]) for r in self.local_rows}
+
+    def device_batch(self, rows: dict[int, dict], step: int) -> dict:
+        """Host rows -> the step's batch: ``[N, T, ...]`` on one device, or global arrays split
+        over ``("data", "fsdp")`` with the key data replicated."""
+        if self.shardings is None:
+            cat = {k: np.concatenate([rows[r][k] for r in range(self.replicas)]) for k in rows[0]}
+            return device_batch(cat, self._rng(step))
+        from specjax.train import sharded
+
+        return sharded.global_batch(rows, self.replicas, self.shardings.batch,
+                                    np.asarray(jax.random.key_data(self._rng(step))))
+
+    @property
+    def local_rows(self) -> list[int]:
+        if self.shardings is None:
+            return list(range(self.replicas))
+        from specjax.train import sharded
+
+        return sharded.local_rows(self.shardings.batch["input_ids"], self.replicas)
+
     def validate(self, params) -> dict | None:
         if self.val_data is None:
             return None
         sums: dict = {}
-        for b in self.val_data.epoch_batches(0):
-            m = self.fns.eval_step(params, device_batch(self.val_data.batch(b), self._rng(-1)))
+        for b in self.val_steps():
+            m = self.fns.eval_step(params, self.device_batch(self.host_rows(self.val_data, b), -1))
             for k, (s, t) in jax.device_get(m).items():
                 a = sums.setdefault(k, [0.0, 0.0])
                 a[0] += float(s)
@@ -413,20 +586,29 @@ class Run:
         return normalize_metrics(sums)
 
     def export(self, name: str, params, metadata: dict | None = None) -> Path:
+        """Write a speculators checkpoint on process 0 (every process must call: gathering the
+        params of a multi-process mesh is a collective)."""
+        from specjax.sharding import sync
         from specjax.train.export import export_draft
 
-        return export_draft(self.out / name, self.model_of(params), self.config_doc, overwrite=True,
-                            metadata={k: str(v) for k, v in (metadata or {}).items()})
+        model = self.host_model_of(params)
+        out = self.out / name
+        if self.main:
+            out = export_draft(out, model, self.config_doc, overwrite=True,
+                               metadata={k: str(v) for k, v in (metadata or {}).items()})
+        sync(f"specjax-export-{name}")
+        return out
 
     def _rng(self, step: int):
         return jax.random.fold_in(jax.random.key(self.cfg.seed), step + 1)
 
     # ------------------------------------------------------------------ loop
-    def schedule_items(self, start: int) -> list[tuple[int, np.ndarray, int, bool]]:
-        """(global step, row indices, epoch, last of its epoch) from ``start`` to the end."""
+    def schedule_items(self, start: int) -> list[tuple[int, tuple[np.ndarray, ...], int, bool]]:
+        """(global step, row indices of its ``N`` packed rows, epoch, last of its epoch) from ``start``
+        to the end."""
         items, step, epoch = [], 0, 0
         while step < self.total_steps and epoch < self.cfg.trainer.epochs:
-            bs = self.train_data.epoch_batches(epoch)
+            bs = self.train_data.step_batches(epoch)
             for k, b in enumerate(bs):
                 if step >= self.total_steps:
                     break
@@ -441,9 +623,14 @@ class Run:
         (tests: simulates a killed run; the last checkpoint is written at that point)."""
         from tqdm.auto import tqdm
 
+        from specjax.sharding import sync
+
         cfg = self.cfg
+        main = self.main
         t_start = time.perf_counter()
-        self.out.mkdir(parents=True, exist_ok=True)
+        if main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        sync("specjax-train-start")
         params, opt_state = self.build_state()
         mngr = self._manager()
         start, best = 0, {"val_loss": None, "step": None}
@@ -451,12 +638,14 @@ class Run:
             start, params, opt_state, meta = self.restore(mngr, params, opt_state)
             best = meta.get("best", best)
             self.log(f"resumed from step {start}")
-        with atomic_file(self.out / "run.yaml", text=True) as f:
-            f.write(cfg.to_yaml())
-        with atomic_file(self.out / "resume.json", text=True) as f:
-            f.write(json.dumps(cfg.resume_key(), indent=1, sort_keys=True))
+        parallel = {"rows_per_step": self.replicas, "mesh": self.mesh_desc}
+        if main:
+            with atomic_file(self.out / "run.yaml", text=True) as f:
+                f.write(cfg.to_yaml())
+            with atomic_file(self.out / "resume.json", text=True) as f:
+                f.write(json.dumps({**cfg.resume_key(), PARALLEL_KEY: parallel}, indent=1, sort_keys=True))
         items = self.schedule_items(start)
-        metrics_f = open(self.out / "metrics.jsonl", "a", encoding="utf-8")
+        metrics_f = open(self.out / "metrics.jsonl", "a", encoding="utf-8") if main else None
         bar = tqdm(total=self.total_steps, initial=start, unit="step", desc=f"train {cfg.speculator_type}",
                    disable=not self.progress, dynamic_ncols=True)
         S = cfg.loss.ttt_steps
@@ -468,10 +657,17 @@ class Run:
         stopped = None
         summary_metrics: dict = {}
         val_every = cfg.trainer.val_every
-        for (gstep, b, epoch, end_of_epoch), (_, batch) in zip(
-                items, Prefetch(self.train_data, [(it[0], it[1]) for it in items])):
-            tok = int((batch["document_ids"] >= 0).sum())
-            params, opt_state, m = self.fns.train_step(params, opt_state, device_batch(batch, self._rng(gstep)))
+
+        def write(rec: dict) -> None:
+            if metrics_f is not None:
+                metrics_f.write(json.dumps(rec) + "\n")
+                metrics_f.flush()
+
+        build = lambda st: self.host_rows(self.train_data, st)  # noqa: E731
+        for (gstep, b, epoch, end_of_epoch), (_, rows) in zip(
+                items, Prefetch(build, [(it[0], it[1]) for it in items])):
+            tok = sum(self.train_data.tokens(idx) for idx in b)
+            params, opt_state, m = self.fns.train_step(params, opt_state, self.device_batch(rows, gstep))
             step = gstep + 1
             done_here += 1
             tok_seen += tok
@@ -483,8 +679,7 @@ class Run:
                        "tok_per_s": round(tok_seen / max(el, 1e-9), 1), **{k: round(v, 6) for k, v in mh.items()}}
                 if cfg.speculator_type == "eagle3":
                     rec["accept_est"] = round(accept_estimate(mh, S), 4)
-                metrics_f.write(json.dumps(rec) + "\n")
-                metrics_f.flush()
+                write(rec)
                 summary_metrics = rec
                 post = {"loss": f"{mh['loss']:.3f}"}
                 if "accept_est" in rec:
@@ -502,15 +697,17 @@ class Run:
                 vrec = {"split": "val", "step": step, "epoch": epoch, **{k: round(v, 6) for k, v in vm.items()}}
                 if cfg.speculator_type == "eagle3":
                     vrec["accept_est"] = round(accept_estimate(vm, S), 4)
-                metrics_f.write(json.dumps(vrec) + "\n")
-                metrics_f.flush()
+                write(vrec)
                 if cfg.trainer.save_best and (best["val_loss"] is None or vm["loss"] < best["val_loss"]):
                     best = {"val_loss": vm["loss"], "step": step, "metrics": vrec}
                     self.export("best", params, {"step": step, "val_loss": vm["loss"]})
-            timeout = cfg.trainer.max_minutes and (time.perf_counter() - t_start) / 60 >= cfg.trainer.max_minutes
+            # every process takes the same decision (process 0's clock), or the collectives below deadlock
+            timeout = bool(cfg.trainer.max_minutes) and _agree(
+                (time.perf_counter() - t_start) / 60 >= cfg.trainer.max_minutes)
             killed = stop_after is not None and done_here >= stop_after
             if step % cfg.trainer.checkpoint_every == 0 or step == self.total_steps or timeout or killed:
-                self.save(mngr, step, params, opt_state, {"step": step, "best": best, "fingerprint": cfg.fingerprint()})
+                self.save(mngr, step, params, opt_state, {"step": step, "best": best, "fingerprint": cfg.fingerprint(),
+                                                          "parallel": parallel})
             if timeout:
                 stopped = "max_minutes"
                 break
@@ -518,23 +715,36 @@ class Run:
                 stopped = "stop_after"
                 break
         bar.close()
-        metrics_f.close()
+        if metrics_f is not None:
+            metrics_f.close()
         if step < self.total_steps and stopped is None:
             stopped = "epochs"
         summary = {"steps": step, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
                    "stopped": stopped, "seconds": round(time.perf_counter() - t_start, 2),
                    "train_seconds": round(time.perf_counter() - t0, 2), "tokens_seen": tok_seen,
-                   "compiles": dict(TRACE_COUNT), "best": best, "last_metrics": summary_metrics,
+                   "compiles": dict(self.fns.traces), "best": best, "last_metrics": summary_metrics,
+                   "mesh": self.mesh_desc, "rows_per_step": self.replicas, "processes": jax.process_count(),
                    "output_dir": str(self.out)}
         if stopped != "stop_after":
             summary["last"] = str(self.export("last", params, {"step": step}))
-            with atomic_file(self.out / "summary.json", text=True) as f:
-                f.write(json.dumps(summary, indent=2, default=str))
+            if main:
+                with atomic_file(self.out / "summary.json", text=True) as f:
+                    f.write(json.dumps(summary, indent=2, default=str))
         self.params, self.opt_state = params, opt_state
         return summary
 
 
-def train(cfg: TrainConfig, *, target=None, resume: bool = False, overwrite: bool = False, progress: bool = True,
-          log: Callable[[str], None] | None = None) -> dict:
-    """Library entry point of ``specjax train``."""
-    return Run(cfg, target=target, resume=resume, overwrite=overwrite, progress=progress, log=log).train()
+def _agree(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (a broadcast; the flag itself when single-process)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def train(cfg: TrainConfig, *, target=None, mesh=None, data_parallel: int | None = None, resume: bool = False,
+          overwrite: bool = False, progress: bool = True, log: Callable[[str], None] | None = None) -> dict:
+    """Library entry point of ``specjax train`` (``mesh``, ``data_parallel``: see :class:`Run`)."""
+    return Run(cfg, target=target, mesh=mesh, data_parallel=data_parallel, resume=resume, overwrite=overwrite,
+               progress=progress, log=log).train()
