@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 
 from specjax.commands.common import console, fail
+from specjax.sharding import cli as shcli
 
 data_app = typer.Typer(help="Training data: prompts, target-regenerated rows, hidden-state caches, t2d/d2t.",
                        no_args_is_help=True, add_completion=False)
@@ -28,7 +29,22 @@ def _ids(text: Optional[str]) -> Optional[list[int]]:
 
 
 def _log(msg: str) -> None:
-    console(stderr=True).print(msg, style="dim")
+    from specjax.sharding import is_main_process
+
+    if is_main_process():
+        console(stderr=True).print(msg, style="dim")
+
+
+def _load_target(target: str, dev_mesh, progress: bool):
+    """The target on ``dev_mesh`` (straight into its shardings) when it has several devices, else
+    on the default device."""
+    if dev_mesh.size > 1:
+        from specjax.sharding import load_target as load_sharded
+
+        return load_sharded(target, dev_mesh, progress=progress)
+    from specjax.models.loading import load_target
+
+    return load_target(target, progress=progress)
 
 
 @data_app.command("prepare")
@@ -52,10 +68,17 @@ def prepare_cmd(
     batch_size: int = typer.Option(32, "--batch-size", min=1),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json"),
+    mesh: str = shcli.mesh_option(),
+    coordinator: Optional[str] = shcli.coordinator_option(),
+    num_processes: Optional[int] = shcli.num_processes_option(),
+    process_id: Optional[int] = shcli.process_id_option(),
 ):
-    """Prompts -> chat rows with assistant-only loss masks -> hidden states (speculators' layout)."""
+    """Prompts -> chat rows with assistant-only loss masks -> hidden states (speculators' layout).
+
+    On a mesh of several devices the target loads straight into its shardings and the
+    hidden-state extraction splits its batches over the data and fsdp axes."""
     from bridge.errors import BridgeError
-    from specjax.models.loading import load_target
+    from specjax.sharding import is_main_process
     from specjax.train.pipeline import DataSpec, prepare_data
 
     try:
@@ -63,10 +86,13 @@ def prepare_cmd(
                         top_p=top_p, top_k=top_k, seq_length=seq_length, aux_layer_ids=_ids(aux_layer_ids),
                         hidden_states_dtype=hs_dtype, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
                         draft_vocab_size=draft_vocab_size, seed=seed)
-        lt = load_target(target, progress=not as_json)
-        res = prepare_data(out, spec, lt, progress=not as_json, log=_log)
+        dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
+        lt = _load_target(target, dev_mesh, progress=not as_json and is_main_process())
+        res = prepare_data(out, spec, lt, progress=not as_json and is_main_process(), log=_log)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
+    if not is_main_process():
+        return
     if as_json:
         print(json.dumps(res, default=str))
     else:
@@ -82,22 +108,32 @@ def extract_cmd(
     hs_dtype: str = typer.Option("bfloat16", "--hidden-states-dtype"),
     max_batch_tokens: int = typer.Option(4096, "--max-batch-tokens", min=64),
     as_json: bool = typer.Option(False, "--json"),
+    mesh: str = shcli.mesh_option(),
+    coordinator: Optional[str] = shcli.coordinator_option(),
+    num_processes: Optional[int] = shcli.num_processes_option(),
+    process_id: Optional[int] = shcli.process_id_option(),
 ):
-    """Write hidden_states/hs_{i}.safetensors for every row that lacks one (resumable)."""
+    """Write hidden_states/hs_{i}.safetensors for every row that lacks one (resumable).
+
+    On a mesh of several devices the target loads straight into its shardings and each batch is
+    split over the data and fsdp axes; only process 0 writes files."""
     from bridge.errors import BridgeError
-    from specjax.models.loading import load_target
+    from specjax.sharding import is_main_process
     from specjax.train.dataset import read_rows
     from specjax.train.hidden_states import default_aux_layer_ids, extract_hidden_states
 
     try:
         rows = read_rows(data)
-        lt = load_target(target, progress=not as_json)
+        dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
+        lt = _load_target(target, dev_mesh, progress=not as_json and is_main_process())
         aux = _ids(aux_layer_ids) or default_aux_layer_ids(lt.config.num_hidden_layers)
         res = extract_hidden_states(lt.model, rows, data, aux_layer_ids=aux, dtype=hs_dtype,
                                     max_batch_tokens=max_batch_tokens, progress=not as_json, target_name=lt.source,
-                                    log=_log)
+                                    log=_log, mesh=dev_mesh if dev_mesh.size > 1 else None)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
+    if not is_main_process():
+        return
     print(json.dumps(res)) if as_json else console().print(
         f"{res['written']} written, {res['skipped']} already cached, {res['tokens']} tokens in {res['seconds']}s")
 

@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 
 from specjax.commands.common import console, fail
+from specjax.sharding import cli as shcli
 
 
 def register(app: typer.Typer) -> None:
@@ -23,9 +24,18 @@ def train_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="discard an existing run in trainer.output_dir"),
     print_config: bool = typer.Option(False, "--print-config", help="print the resolved recipe and exit"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
+    mesh: str = shcli.mesh_option(),
+    coordinator: Optional[str] = shcli.coordinator_option(),
+    num_processes: Optional[int] = shcli.num_processes_option(),
+    process_id: Optional[int] = shcli.process_id_option(),
 ):
-    """Train an EAGLE-3 or DFlash draft; exports `last/` (and `best/`) as speculators checkpoints."""
+    """Train an EAGLE-3 or DFlash draft; exports `last/` (and `best/`) as speculators checkpoints.
+
+    On a mesh of several devices the target loads straight into its shardings, the draft and
+    optimizer state are placed by the partition rules, and each step takes data x fsdp packed
+    rows (speculators' DDP order; the loss is the mean of the per-row losses)."""
     from bridge.errors import BridgeError
+    from specjax.sharding import is_main_process
     from specjax.train.config import load_recipe
     from specjax.train.trainer import train
 
@@ -34,10 +44,13 @@ def train_cmd(
         if print_config:
             print(cfg.to_yaml(), end="")
             return
-        summary = train(cfg, resume=resume, overwrite=overwrite, progress=not as_json,
+        dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
+        summary = train(cfg, mesh=dev_mesh, resume=resume, overwrite=overwrite, progress=not as_json,
                         log=lambda m: console(stderr=True).print(m, style="dim"))
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
+    if not is_main_process():
+        return
     if as_json:
         print(json.dumps(summary, default=str))
         return

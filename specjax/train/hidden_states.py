@@ -169,30 +169,59 @@ def plan_batches(lengths: Sequence[int], *, max_tokens: int, bucket: int = 64, m
     return batches
 
 
-def make_tap_fn(model, layer_ids: Sequence[int], out_dtype):
-    """jitted ``ids [B, T] -> hidden [B, T, L, H]`` (right padding needs no mask: causal)."""
+def make_tap_fn(model, layer_ids: Sequence[int], out_dtype, mesh=None):
+    """jitted ``ids [B, T] -> hidden [B, T, L, H]`` (right padding needs no mask: causal).
+
+    With ``mesh`` the jit has explicit shardings: params as placed, ids split over
+    ``("data", "fsdp")`` (B must be a multiple of ``data x fsdp``), output replicated (process 0
+    writes it). ``ids`` is then a host array every process passes in full."""
     from flax import nnx
 
     graphdef, state = nnx.split(model)
     taps = tuple(int(i) for i in layer_ids)
 
-    @jax.jit
-    def fn(state, ids):
+    def run(state, ids):
         m = nnx.merge(graphdef, state)
         out = m(ids, tap_ids=taps, return_logits=False)
         return jnp.stack(out.aux_hidden_states, axis=2).astype(out_dtype)
 
-    return lambda ids: fn(state, ids)
+    if mesh is None:
+        fn = jax.jit(run)
+        return lambda ids: fn(state, jnp.asarray(ids))
+    import specjax.sharding as shd
+
+    ids_sh = shd.batch_sharding(mesh, 2)
+    fn = jax.jit(run, in_shardings=(shd.shardings_of(state), ids_sh), out_shardings=shd.replicated(mesh))
+    return lambda ids: fn(state, shd.put(np.asarray(ids), ids_sh))
 
 
 def extract_hidden_states(model, rows: TokenRows, data_dir: str | os.PathLike, *, aux_layer_ids: Sequence[int],
                           dtype: str = "bfloat16", max_batch_tokens: int = 4096, indices: Sequence[int] | None = None,
-                          progress: bool = True, target_name: str = "", log: Callable[[str], None] | None = None) -> dict:
+                          progress: bool = True, target_name: str = "", log: Callable[[str], None] | None = None,
+                          mesh=None) -> dict:
     """Write ``hs_{i}.safetensors`` for every row that lacks a complete file (resumable).
 
     ``model``: a specjax target (``CausalLM``). Returns ``{"written", "skipped", "tokens", "seconds"}``.
+
+    ``mesh``: run the target's forward on it (default: the mesh the model's params already live
+    on, ``specjax.sharding.mesh_of``; ``None`` for a single-device model). A model not on the
+    mesh is placed there by ``TARGET_RULES`` first. Each batch is padded to a multiple of
+    ``data x fsdp`` rows (padding rows are dropped) and split over ``("data", "fsdp")``; every
+    process computes, only process 0 writes files.
     """
     from tqdm.auto import tqdm
+
+    import specjax.sharding as shd
+
+    if mesh is None:
+        mesh = shd.mesh_of(model)
+    elif shd.mesh_of(model) != mesh:
+        from flax import nnx
+
+        graphdef, state = nnx.split(model)  # a placed copy; the caller's model is left alone
+        model = nnx.merge(graphdef, jax.device_put(state, shd.named_shardings(state, shd.TARGET_RULES, mesh)))
+    main = shd.is_main_process()
+    progress = progress and main
 
     n = model.config.num_hidden_layers
     layer_ids = cache_layer_ids(aux_layer_ids, n)
@@ -201,9 +230,11 @@ def extract_hidden_states(model, rows: TokenRows, data_dir: str | os.PathLike, *
     out_np = DTYPES[dtype]
     todo_all = list(range(len(rows))) if indices is None else [int(i) for i in indices]
     todo = [i for i in todo_all if not is_complete(hs_path(data_dir, i))]
+    shd.sync("specjax-extract-plan")  # every process has its plan before process 0 writes a file
     skipped = len(todo_all) - len(todo)
     hs_dir = Path(data_dir) / HS_DIR
-    hs_dir.mkdir(parents=True, exist_ok=True)
+    if main:
+        hs_dir.mkdir(parents=True, exist_ok=True)
     meta = {"layer_ids": ",".join(map(str, layer_ids)), "target": str(target_name), "format": "pt"}
     ctx = int(model.config.max_position_embeddings)
     lengths = [len(rows.input_ids[i]) for i in todo]
@@ -211,29 +242,32 @@ def extract_hidden_states(model, rows: TokenRows, data_dir: str | os.PathLike, *
         if L > ctx:
             raise HiddenStateCacheError(f"row {i} has {L} tokens; the target's context is {ctx}", key="input_ids")
     batches = plan_batches(lengths, max_tokens=max_batch_tokens)
-    fn = make_tap_fn(model, layer_ids, jnp.dtype(out_np))
+    fn = make_tap_fn(model, layer_ids, jnp.dtype(out_np), mesh)
     total = int(sum(lengths))
     t0 = time.perf_counter()
     done_tokens = 0
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc="hidden states", disable=not progress,
                dynamic_ncols=True)
-    if skipped and log:
+    if skipped and log and main:
         log(f"{skipped} of {len(todo_all)} rows already cached; extracting {len(todo)}")
     for b in batches:
         idx = [todo[k] for k in b]
         T = min(_bucket(max(len(rows.input_ids[i]) for i in idx), 64), ctx)
-        ids = np.zeros((len(idx), T), np.int32)
+        B = len(idx) if mesh is None else shd.pad_batch(len(idx), mesh)  # padding rows: token 0, dropped
+        ids = np.zeros((B, T), np.int32)
         for r, i in enumerate(idx):
             ids[r, : len(rows.input_ids[i])] = rows.input_ids[i]
-        hs = np.asarray(jax.device_get(fn(jnp.asarray(ids))))
+        hs = shd.to_host(fn(ids))
         for r, i in enumerate(idx):
             t = len(rows.input_ids[i])
-            write_hs(hs_path(data_dir, i), hs[r, :t], rows.input_ids[i], metadata=meta)
+            if main:
+                write_hs(hs_path(data_dir, i), hs[r, :t], rows.input_ids[i], metadata=meta)
             done_tokens += t
             bar.update(t)
         el = time.perf_counter() - t0
         bar.set_postfix_str(f"{done_tokens / max(el, 1e-9):.0f} tok/s")
     bar.close()
+    shd.sync("specjax-extract-done")
     return {"written": len(todo), "skipped": skipped, "tokens": done_tokens,
             "seconds": round(time.perf_counter() - t0, 3), "layer_ids": layer_ids}
 

@@ -309,7 +309,12 @@ class Run:
         from specjax.models.loading import LoadedTarget, load_target
 
         if target is None:
-            target = load_target(cfg.target, progress=progress)
+            if self.mesh is not None:  # straight into its shardings (TARGET_RULES): no full copy on one device
+                from specjax.sharding import load_target as load_sharded
+
+                target = load_sharded(cfg.target, self.mesh, progress=self.progress)
+            else:
+                target = load_target(cfg.target, progress=self.progress)
         elif not isinstance(target, LoadedTarget):
             raise TrainError("target must be a LoadedTarget")
         self.target = target
