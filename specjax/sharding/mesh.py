@@ -36,6 +36,10 @@ AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 DEFAULT_PRESET = "default"
 PRESET_ENV = "SPECJAX_MESH_DIR"  # extra directory of preset YAML files (searched first)
+# The presets live in configs/mesh/ (the documented place, the only copy). specjax/sharding/presets
+# is a link to it, and setuptools package-data puts the files themselves into a wheel, so an
+# installed (non-editable) specjax finds them next to this module.
+_PACKAGE_PRESETS = Path(__file__).resolve().parent / "presets"
 _REPO_PRESETS = Path(__file__).resolve().parents[2] / "configs" / "mesh"
 
 
@@ -110,11 +114,16 @@ def _fmt(sizes: Mapping[str, int]) -> str:
 
 
 def preset_dirs() -> list[Path]:
+    """Where presets are looked up, first match wins: ``$SPECJAX_MESH_DIR``, the package's
+    ``presets/`` (in a checkout: the link to ``configs/mesh``; in a wheel: the shipped files), and
+    ``configs/mesh`` beside the package (a checkout whose link did not survive, e.g. on Windows)."""
     dirs = []
     if os.environ.get(PRESET_ENV):
         dirs.append(Path(os.environ[PRESET_ENV]))
-    dirs.append(_REPO_PRESETS)
-    return dirs
+    for d in (_PACKAGE_PRESETS, _REPO_PRESETS):
+        if d.is_dir() and all(d.resolve() != x.resolve() for x in dirs):
+            dirs.append(d)
+    return dirs or [_PACKAGE_PRESETS]
 
 
 def presets() -> dict[str, Path]:
