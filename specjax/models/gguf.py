@@ -149,14 +149,20 @@ def gguf_tensors(gf: GGUFFile, config: TargetConfig, *, progress: bool = True) -
     return out
 
 
-def load_gguf(path: str | os.PathLike, *, dtype=None, progress: bool = True):
-    """``(model, config, hf_config_dict, flat_tensors)`` from a GGUF file; ``dtype`` None keeps float32."""
-    from specjax.models.hf import model_from_tree
-
+def read_gguf(path: str | os.PathLike, *, progress: bool = True):
+    """``(hf_config_dict, config, flat_tensors, GGUFFile)``: the GGUF dequantised into HF names and
+    layout, no module built (what an HF-directory export needs)."""
     gf = GGUFFile(path)
     cfg_dict = gguf_config(gf)
     config = TargetConfig.from_hf(cfg_dict, where=gf.path)
-    flat = gguf_tensors(gf, config, progress=progress)
+    return cfg_dict, config, gguf_tensors(gf, config, progress=progress), gf
+
+
+def load_gguf(path: str | os.PathLike, *, dtype=None, progress: bool = True):
+    """``(model, config, hf_config_dict, flat_tensors, GGUFFile)`` from a GGUF file; ``dtype`` None keeps float32."""
+    from specjax.models.hf import model_from_tree
+
+    cfg_dict, config, flat, gf = read_gguf(path, progress=progress)
     tree = layout.unflatten(flat, layout.TABLES["hf_lm"], where=gf.path)
     model = model_from_tree(config, tree, dtype=dtype, where=gf.path)
     return model, config, cfg_dict, flat, gf

@@ -11,6 +11,10 @@
 
 A GGUF can be cached as an HF-format directory (float32 safetensors + config + tokenizer) with
 ``cache_dir=...`` (or ``SPECJAX_CACHE_DIR``): later loads of the same file read that instead.
+The directory is written atomically (``bridge.atomic``). In a multi-process run
+(``jax.distributed``) only process 0 writes it; the others wait at a barrier and then read it
+like process 0 does (a process that cannot see it, on a filesystem that is not shared,
+dequantises the GGUF itself and writes nothing).
 """
 
 from __future__ import annotations
@@ -119,8 +123,18 @@ def load_target(target: str | os.PathLike | None = None, *, dtype=None, cache_di
         model = load_hf_dir(path, dtype=dtype, place=place)
         return LoadedTarget(model, model.config, Tokenizer.from_dir(path), str(path), kind)
     cache_dir = cache_dir or os.environ.get("SPECJAX_CACHE_DIR")
-    if cache_dir:
-        cdir = _gguf_cache_dir(path, cache_dir)
+    cdir = _gguf_cache_dir(path, cache_dir) if cache_dir else None
+    writer = True  # whether this process may write the cache
+    if cdir is not None:
+        if _multi_process():  # process 0 alone writes the cache; the others wait, then read it
+            from specjax.sharding.distributed import is_main_process, sync
+
+            writer = is_main_process()
+            try:
+                if writer and not (cdir / "config.json").is_file():
+                    export_gguf(path, cdir, progress=progress)
+            finally:  # reached by every process (an export error is raised after the barrier)
+                sync(f"specjax-gguf-cache-{cdir.name}")
         if (cdir / "config.json").is_file():
             model = load_hf_dir(cdir, dtype=dtype, place=place)
             return LoadedTarget(model, model.config, Tokenizer.from_dir(cdir), str(cdir), "gguf_cache")
@@ -132,10 +146,30 @@ def load_target(target: str | os.PathLike | None = None, *, dtype=None, cache_di
 
         for p, var in param_paths(model).items():
             var.set_value(place(p, var.get_value()))
-    tok = Tokenizer.from_gguf(gf) if gf.get("tokenizer.ggml.model") is not None else None
-    if cache_dir:
-        export_hf_dir(cfg_dict, flat, tok, _gguf_cache_dir(path, cache_dir), source=str(path), progress=progress)
+    tok = _gguf_tokenizer(gf)
+    if cdir is not None and writer:
+        export_hf_dir(cfg_dict, flat, tok, cdir, source=str(path), progress=progress)
     return LoadedTarget(model, config, tok, str(path), "gguf")
+
+
+def _gguf_tokenizer(gf) -> Tokenizer | None:
+    return Tokenizer.from_gguf(gf) if gf.get("tokenizer.ggml.model") is not None else None
+
+
+def export_gguf(path: str | os.PathLike, out: str | os.PathLike, *, progress: bool = True) -> Path:
+    """Dequantise a GGUF into an HF-format directory ``out`` (atomically), without building a model."""
+    from specjax.models.gguf import read_gguf
+
+    cfg_dict, _, flat, gf = read_gguf(path, progress=progress)
+    return export_hf_dir(cfg_dict, flat, _gguf_tokenizer(gf), out, source=str(path), progress=progress)
+
+
+def _multi_process() -> bool:
+    """True in a ``jax.distributed`` run of several processes (a single process never touches the
+    backend here, so a later ``specjax.sharding.initialize`` still works)."""
+    import jax
+
+    return jax.distributed.is_initialized() and jax.process_count() > 1
 
 
 def export_hf_dir(cfg_dict: dict, flat: dict, tokenizer: Tokenizer | None, out: str | os.PathLike, *,
