@@ -25,6 +25,14 @@ def test_03_data_prepared(nb03):
     assert nb03.num("supervised_tokens") > 0
 
 
+def test_03_trains_on_the_mesh(nb03):
+    """The trainer ran on the notebook's mesh: its params live on every mesh device, each step took
+    data x fsdp packed rows, and the step compiled once."""
+    assert nb03.num("train_mesh_devices") == nb03.num("mesh_devices")
+    assert nb03.num("train_rows_per_step") == nb03.num("mesh_batch_split") >= 1
+    assert nb03.num("train_compiles") == 1
+
+
 def test_03_loss_decreases(nb03):
     assert nb03.num("train_steps") >= 10
     assert nb03.num("loss_last") < nb03.num("loss_first")

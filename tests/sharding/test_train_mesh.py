@@ -5,14 +5,16 @@
 starts). The script, on a tiny random target (tests/sharding/tiny.py) and pretokenized rows:
 
 * extraction with the target loaded on mesh 2x2x2 writes the cache the single-device target writes;
-* a few trainer steps on meshes 8x1x1 (8 packed rows per step), 2x2x2 (4 rows) and 1x1x8 (1 row)
-  end at the parameters of the single-device trainer fed the same [N, T] rows
+* three trainer steps on meshes 8x1x1 (8 packed rows per step, validation included) and 2x2x2
+  (4 rows) end at the parameters of the single-device trainer fed the same [N, T] rows
   (``Run(data_parallel=N)``), within 1e-5 relative (float32, AdamW);
 * params, frozen tensors and optimizer state carry their rule shardings; one train and one eval
   compile per run;
-* a run killed on 2x2x2 and resumed on 2x2x2 ends bit for bit where the uninterrupted run ended;
-  a resume on 8x1x1 (8 rows per step instead of 4) is refused, naming both meshes;
-* ``specjax train --mesh cpu-8 --config <recipe>`` trains on 2x2x2 and equals the library run.
+* a resume on 8x1x1 (8 rows per step instead of 4) of a 2x2x2 run is refused, naming both meshes;
+* ``specjax train --mesh cpu-8 --config <recipe> --resume`` trains on 2x2x2 (the target loaded
+  from its directory onto the mesh) and ends bit for bit where the library run ended.
+
+``test_one_device_mesh_is_the_single_device_path`` runs in this process (one device).
 """
 
 from __future__ import annotations
@@ -51,7 +53,51 @@ def test_trainer_on_meshes(tmp_path):
                                    "cli cpu-8"}, res
 
 
+def test_one_device_mesh_is_the_single_device_path(tmp_path):
+    """``--mesh default`` on one device (a 1-device mesh: explicit shardings, placed state) computes
+    what ``mesh=None`` computes, bit for bit; a rows-per-step that is not a multiple of data x fsdp
+    is refused naming the mesh."""
+    import jax
+    import numpy as np
+    import pytest
+
+    import specjax.sharding as shd
+    from specjax.train.errors import TrainError
+    from specjax.train.trainer import Run
+
+    if jax.device_count() != 1:
+        pytest.skip("needs the single default device")
+    _, lt, data = _make_data(tmp_path, n_rows=12)
+    a = Run(_recipe(data, tmp_path / "a", "trainer.max_steps=2"), target=lt, progress=False)
+    a.train()
+    mesh = shd.make_mesh("default")
+    b = Run(_recipe(data, tmp_path / "b", "trainer.max_steps=2"), target=lt, mesh=mesh, progress=False)
+    sb = b.train()
+    assert sb["mesh"] == shd.describe(mesh) and sb["rows_per_step"] == 1
+    for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params, b.opt_state))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(TrainError, match=r"positive multiple of data x fsdp = 1 on mesh \{data: 1"):
+        Run(_recipe(data, tmp_path / "c"), target=lt, mesh=mesh, data_parallel=0, progress=False)
+
+
 # ----------------------------------------------------------------------------- the 8-device script
+
+
+def _make_data(root: Path, n_rows: int = 72):
+    """A tiny 3-layer target (HF directory), and a data directory of pretokenized rows with its
+    float32 hidden-state cache made by the single-device target."""
+    from specjax.models.loading import load_target
+    from specjax.train.pipeline import DataSpec, prepare_data
+    from tests.sharding import tiny
+
+    tgt = tiny.write_target(root / "target", layers=3)
+    rows_file = root / "rows.jsonl"
+    rows_file.write_text("".join(json.dumps(r) + "\n" for r in _rows(n_rows)))
+    lt = load_target(str(tgt), progress=False)
+    data = root / "data"
+    prepare_data(data, DataSpec(prompts=str(rows_file), regenerate=False, aux_layer_ids=AUX, seq_length=64,
+                                hidden_states_dtype="float32", draft_vocab_size=48), lt, progress=False)
+    return tgt, lt, data
 
 
 def _rows(n: int, seed: int = 0):
@@ -115,27 +161,18 @@ def main(root: Path) -> None:
     import numpy as np
 
     import specjax.sharding as shd
-    from specjax.models.loading import load_target
+    from specjax.train.dataset import read_rows
     from specjax.train.errors import ResumeError
     from specjax.train.hidden_states import extract_hidden_states, hs_path, read_hs
-    from specjax.train.pipeline import DataSpec, prepare_data
     from specjax.train.trainer import Run
-    from tests.sharding import tiny
 
     assert jax.device_count() == 8, jax.devices()
     t_all = time.perf_counter()
     checked, times = [], {}
-    tgt = tiny.write_target(root / "target", layers=3)
-    rows_file = root / "rows.jsonl"
-    rows_file.write_text("".join(json.dumps(r) + "\n" for r in _rows(72)))
-    lt = load_target(str(tgt), progress=False)
 
     # ---- data: single-device extraction (prepare_data), then the same cache from the 2x2x2 mesh
     t0 = time.perf_counter()
-    data = root / "data"
-    prepare_data(data, DataSpec(prompts=str(rows_file), regenerate=False, aux_layer_ids=AUX, seq_length=64,
-                                hidden_states_dtype="float32", draft_vocab_size=48), lt, progress=False)
-    from specjax.train.dataset import read_rows
+    tgt, lt, data = _make_data(root)
 
     rows = read_rows(data)
     m222 = shd.make_mesh((2, 2, 2))
