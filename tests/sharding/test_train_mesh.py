@@ -13,8 +13,9 @@ starts). The script, on a tiny random target (tests/sharding/tiny.py) and pretok
 * a resume on 8x1x1 (8 rows per step instead of 4) of a 2x2x2 run is refused, naming both meshes;
 * ``specjax train --mesh cpu-8 --config <recipe> --resume`` trains on 2x2x2 (the target loaded
   from its directory onto the mesh) and ends bit for bit where the library run ended.
-
-``test_one_device_mesh_is_the_single_device_path`` runs in this process (one device).
+* a 1-device mesh (what ``--mesh default`` gives on one device: explicit shardings, placed
+  state) computes bit for bit what ``mesh=None`` computes; a rows-per-step that is not a multiple
+  of data x fsdp is refused, naming the mesh.
 """
 
 from __future__ import annotations
@@ -49,35 +50,8 @@ def test_trainer_on_meshes(tmp_path):
     assert done, out[-4000:]
     res = json.loads(done[-1][len("RESULT "):])
     assert res["devices"] == 8
-    assert set(res["checked"]) >= {"extract 2x2x2", "8x1x1", "2x2x2", "resume 2x2x2", "resume refused",
+    assert set(res["checked"]) >= {"extract 2x2x2", "8x1x1", "2x2x2", "1x1x1", "resume 2x2x2", "resume refused",
                                    "cli cpu-8"}, res
-
-
-def test_one_device_mesh_is_the_single_device_path(tmp_path):
-    """``--mesh default`` on one device (a 1-device mesh: explicit shardings, placed state) computes
-    what ``mesh=None`` computes, bit for bit; a rows-per-step that is not a multiple of data x fsdp
-    is refused naming the mesh."""
-    import jax
-    import numpy as np
-    import pytest
-
-    import specjax.sharding as shd
-    from specjax.train.errors import TrainError
-    from specjax.train.trainer import Run
-
-    if jax.device_count() != 1:
-        pytest.skip("needs the single default device")
-    _, lt, data = _make_data(tmp_path, n_rows=12)
-    a = Run(_recipe(data, tmp_path / "a", "trainer.max_steps=2"), target=lt, progress=False)
-    a.train()
-    mesh = shd.make_mesh("default")
-    b = Run(_recipe(data, tmp_path / "b", "trainer.max_steps=2"), target=lt, mesh=mesh, progress=False)
-    sb = b.train()
-    assert sb["mesh"] == shd.describe(mesh) and sb["rows_per_step"] == 1
-    for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params, b.opt_state))):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    with pytest.raises(TrainError, match=r"positive multiple of data x fsdp = 1 on mesh \{data: 1"):
-        Run(_recipe(data, tmp_path / "c"), target=lt, mesh=mesh, data_parallel=0, progress=False)
 
 
 # ----------------------------------------------------------------------------- the 8-device script
@@ -162,7 +136,7 @@ def main(root: Path) -> None:
 
     import specjax.sharding as shd
     from specjax.train.dataset import read_rows
-    from specjax.train.errors import ResumeError
+    from specjax.train.errors import ResumeError, TrainError
     from specjax.train.hidden_states import extract_hidden_states, hs_path, read_hs
     from specjax.train.trainer import Run
 
@@ -225,6 +199,18 @@ def main(root: Path) -> None:
         _assert_rule_shardings(got.opt_state, shd.OPTIMIZER_RULES, mesh, name + " optimizer state")
         runs[name] = got
         checked.append(name)
+        if sizes == (2, 2, 2):  # the same 4 rows per step on a 1-device mesh == mesh=None, bit for bit
+            one_mesh = shd.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+            one, os_ = run("1x1x1", one_mesh, n)
+            assert os_["mesh"] == shd.describe(one_mesh) and os_["rows_per_step"] == 4, os_
+            for a, b in zip(jax.tree.leaves((one.params, one.opt_state)), jax.tree.leaves((ref.params, ref.opt_state))):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            try:
+                Run(_recipe(data, root / "bad"), target=lt, mesh=mesh, data_parallel=6, progress=False)
+                raise AssertionError("6 rows per step on a mesh with data x fsdp = 4 was accepted")
+            except TrainError as e:
+                assert "multiple of data x fsdp = 4 on mesh {data: 2, fsdp: 2, tensor: 2}" in str(e), e
+            checked.append("1x1x1")
 
     # ---- resume: the 2x2x2 run's step-2 checkpoint (its step-3 one dropped, as if killed before
     # writing it), resumed by the CLI on the cpu-8 preset (2x2x2, target loaded from its directory
