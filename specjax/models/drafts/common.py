@@ -76,7 +76,14 @@ def cache_mask(max_len: int, ctx_slot, *, window: int | None = None, win_ref=Non
     return m[:, None]
 
 
-def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=None, zero_empty_rows=False):
+def take_rows(x, rows):
+    """x [B, n, ...], rows int [B, m] -> x[b, rows[b]] [B, m, ...]."""
+    rows = jnp.asarray(rows, jnp.int32)
+    return jnp.take_along_axis(x, rows.reshape(*rows.shape, *([1] * (x.ndim - 2))), axis=1)
+
+
+def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=None, zero_empty_rows=False,
+              query_rows=None):
     """One attention block on already-normed input ``x_in`` [B, n, d_in].
 
     Keys/values: ``kv_prefix`` (list of (k, v) pairs prepended in order, training), or a
@@ -84,9 +91,18 @@ def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=N
     Returns (output [B, n, hidden], (k, v) of the new rows, updated cache pair or None).
     ``zero_empty_rows``: a query that may attend to nothing gets a zero attention output (what
     torch's flex attention and CPU sdpa give; eager gives NaN), instead of a uniform average.
+    ``query_rows`` int [B, m]: every row still yields keys/values, but only these rows are
+    queried (``mask`` is then [B, 1|H, m, S]) and the output is [B, m, hidden] -- the decode
+    path, where only the last context row's output is used.
     """
-    q, k, v = attn.project(x_in)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if query_rows is None:
+        q, k, v = attn.project(x_in)
+        q = apply_rope(q, cos, sin)
+    else:
+        k, v = attn.project_kv(x_in)
+        q = apply_rope(attn.project_q(take_rows(x_in, query_rows)), take_rows(cos, query_rows),
+                       take_rows(sin, query_rows))
+    k = apply_rope(k, cos, sin)
     new_cache = None
     if cache is not None:
         K, V = write_rows(cache[0], slots, k), write_rows(cache[1], slots, v)
@@ -150,6 +166,13 @@ def last_valid(x, n_valid):
     """x [B, n, ...] -> x[b, n_valid[b] - 1] [B, ...]."""
     idx = (n_valid - 1).astype(jnp.int32)
     return jnp.take_along_axis(x, idx.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
+
+
+def last_rows(n_valid, n: int):
+    """n_valid int [B] -> rows int [B, 1]: each sequence's last real row ``n_valid - 1`` (the
+    ``query_rows`` of the decode path); ``n_valid == 0`` (a finished sequence) wraps to row n - 1,
+    the row :func:`last_valid` picks."""
+    return ((jnp.asarray(n_valid, jnp.int32) - 1) % n)[:, None]
 
 
 def greedy(logits, key=None):  # noqa: ARG001

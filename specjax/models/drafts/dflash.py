@@ -197,6 +197,11 @@ class DFlashDraft(TargetTaps, nnx.Module):
         """One block ``[anchor, M, ..., M]`` per sequence: anchor_tokens [B] (target ids, the token
         right after the cached context), anchor_positions [B]. Slot k predicts the token at
         ``a + k`` (``sample_from_anchor=False``; slot 0 unused) or ``a + k + 1`` (True)."""
+        hidden = self.block_hidden(cache, anchor_tokens, anchor_positions)
+        return BlockOutput(self.lm_head(hidden), hidden)
+
+    def block_hidden(self, cache: DraftCache, anchor_tokens, anchor_positions):
+        """:meth:`block` without the lm_head: the post-norm block states [B, Bk, H]."""
         B = anchor_tokens.shape[0]
         Bk = self.block_size
         S = cache.max_len
@@ -217,19 +222,31 @@ class DFlashDraft(TargetTaps, nnx.Module):
                 blk = qi[None, :] <= qi[:, None]
             m = jnp.concatenate([jnp.broadcast_to(ctx_m, (B, Bk, S)), jnp.broadcast_to(blk, (B, Bk, Bk))], axis=-1)
             masks[w] = m[:, None]
-        hidden = self._blocks(noise, qcos, qsin, list(zip(cache.k, cache.v)), [masks[w] for w in self.spec.windows])
-        return BlockOutput(self.lm_head(hidden), hidden)
+        return self._blocks(noise, qcos, qsin, list(zip(cache.k, cache.v)), [masks[w] for w in self.spec.windows])
 
     def draft_slots(self) -> slice:
         return slice(0, None) if self.sample_from_anchor else slice(1, None)
 
+    def num_block_tokens(self, k: int | None = None) -> int:
+        """Tokens one block drafts: ``k`` (default all the block proposes); more is an error."""
+        full = self.block_size - (0 if self.sample_from_anchor else 1)
+        if k is None:
+            return full
+        if k > full:
+            raise DraftConfigError(f"a {self.algorithm} block drafts {full} tokens; asked for {k}", key="k")
+        return int(k)
+
     def propose(self, cache: DraftCache, anchor_tokens, anchor_positions, *, sample: Callable = greedy,
-                key=None) -> Proposal:
-        """Draft ``speculative_tokens`` tokens in one block (parallel, no feedback)."""
-        out = self.block(cache, anchor_tokens, anchor_positions)
-        logits = out.logits[:, self.draft_slots()]
-        k = logits.shape[1]
-        keys = jax.random.split(key if key is not None else jax.random.key(0), k)
+                key=None, k: int | None = None) -> Proposal:
+        """Draft ``k`` (default: the whole block) tokens in one block (parallel, no feedback); the
+        lm_head runs only on the k slots drafted."""
+        hidden = self.block_hidden(cache, anchor_tokens, anchor_positions)
+        first = self.draft_slots().start
+        full = self.num_block_tokens()
+        k = self.num_block_tokens(k)
+        logits = self.lm_head(hidden[:, first:first + k])
+        # the same per-slot keys whatever k is (a shorter proposal is a prefix of the full one)
+        keys = jax.random.split(key if key is not None else jax.random.key(0), full)[:k]
         draft = jax.vmap(sample, in_axes=(1, 0), out_axes=1)(logits, keys)
         return Proposal(draft_to_target(draft, d2t_of(self)), draft, logits, cache)
 
@@ -239,12 +256,7 @@ class DFlashDraft(TargetTaps, nnx.Module):
         new rows, then one block anchored at the token after the last real row, at its position + 1."""
         B, n = next_tokens.shape
         nv = jnp.full((B,), n, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+        k = self.num_block_tokens(k)  # refuse a k the block cannot draft before any work
         cache = self.extend(cache, hidden_states, positions, nv)
-        prop = self.propose(cache, last_valid(next_tokens, nv), last_valid(positions, nv) + 1, sample=sample, key=key)
-        if k is not None and k != prop.tokens.shape[1]:
-            if k > prop.tokens.shape[1]:
-                raise DraftConfigError(f"a {self.algorithm} block drafts {prop.tokens.shape[1]} tokens; asked for {k}",
-                                       key="k")
-            prop = prop._replace(**{f: getattr(prop, f)[:, :k] for f in prop._fields
-                                    if f != "cache" and getattr(prop, f) is not None})
-        return prop
+        return self.propose(cache, last_valid(next_tokens, nv), last_valid(positions, nv) + 1, sample=sample, key=key,
+                            k=k)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.drafts.common import DraftCache, d2t_of, greedy
-from specjax.models.drafts.dflash import DFlashDraft, DFlashOutput
+from specjax.models.drafts.dflash import BlockOutput, DFlashDraft, DFlashOutput
 from specjax.models.drafts.spec import DraftConfigError
 from specjax.models.drafts.vocab import draft_to_target
 from specjax.models.layers import dense
@@ -159,19 +159,23 @@ class DSparkDraft(DFlashDraft):
                             base.loss_mask, base.block_indices, base.logits)
 
     def propose(self, cache: DraftCache, anchor_tokens, anchor_positions, *, sample: Callable = greedy,
-                key=None, forced=None) -> DSparkProposal:
+                key=None, forced=None, k: int | None = None) -> DSparkProposal:
         """One backbone block, then the Markov head slot by slot with the tokens just drafted.
-        ``forced`` [B, k] target ids: feed these instead of the sampled tokens (tests)."""
-        out = self.block(cache, anchor_tokens, anchor_positions)
-        B, Bk = out.logits.shape[:2]
+        ``forced`` [B, k] target ids: feed these instead of the sampled tokens (tests). ``k``
+        (default: the whole block): draft only the first k tokens -- the lm_head and the head's
+        scan stop there (a shorter proposal is a prefix of the full one)."""
+        hidden = self.block_hidden(cache, anchor_tokens, anchor_positions)
         first = 0 if self.sample_from_anchor else 1
-        k = Bk - first
-        keys = jax.random.split(key if key is not None else jax.random.key(0), Bk)
+        k = self.num_block_tokens(k)
+        keys = jax.random.split(key if key is not None else jax.random.key(0), hidden.shape[1])[:first + k]
+        hidden = hidden[:, :first + k]
+        out = BlockOutput(self.lm_head(hidden), hidden)
+        B, Bk = out.logits.shape[:2]
         d2t = d2t_of(self)
         mh = self.markov_head
         fx = jnp.zeros((Bk, B), jnp.int32)
         if forced is not None:
-            fx = fx.at[first:].set(jnp.asarray(forced, jnp.int32).T)
+            fx = fx.at[first:].set(jnp.asarray(forced, jnp.int32).T[:k])
         state0 = mh.init_state((B,), out.hidden.dtype) if mh is not None and mh.head_type == "rnn" else jnp.zeros((B, 1))
 
         def body(carry, xs):

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.drafts.common import (
-    DraftCache, TargetTaps, attention, cache_mask, d2t_of, greedy, init_vocab, last_valid, mlp_block,
-    verifier_targets,
+    DraftCache, TargetTaps, attention, cache_mask, d2t_of, greedy, init_vocab, last_rows, last_valid, mlp_block,
+    take_rows, verifier_targets,
 )
 from specjax.models.drafts.spec import DecoderSpec
 from specjax.models.drafts.vocab import draft_to_target
@@ -61,7 +61,7 @@ class Proposal(NamedTuple):
 
 class ChainProposer(TargetTaps):
     """``propose`` for drafts that chain one token at a time over a :class:`DraftCache`
-    (EAGLE-3, MTP): needs ``extend(cache, hidden_states, input_ids, positions, n_valid)`` and
+    (EAGLE-3, MTP): needs ``extend(cache, hidden_states, input_ids, positions, n_valid, rows=)`` and
     ``step(cache, tokens, hidden, positions, s)``."""
 
     token_position_offset = 0  # RoPE position of a context row = row position + this
@@ -86,9 +86,9 @@ class ChainProposer(TargetTaps):
         k = self.speculative_tokens if k is None else k
         B, n = input_ids.shape
         nv = jnp.full((B,), n, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
-        ext = self.extend(cache, hidden_states, input_ids, positions, nv)
-        logits0 = last_valid(ext.logits, nv)
-        h0 = last_valid(ext.hidden, nv)
+        # only the last real row's output feeds the chain: the other rows just write their K/V
+        ext = self.extend(cache, hidden_states, input_ids, positions, nv, rows=last_rows(nv, n))
+        logits0, h0 = ext.logits[:, 0], ext.hidden[:, 0]
         pos0 = last_valid(positions, nv)
         keys = jax.random.split(key if key is not None else jax.random.key(0), k)
         d2t = d2t_of(self)
@@ -199,20 +199,29 @@ class Eagle3Draft(ChainProposer, nnx.Module):
     def targets(self, verifier_last_hidden_states):
         return verifier_targets(self, verifier_last_hidden_states)
 
-    def _layers(self, e, h, cos, sin, masks, *, prefixes=None, cache=None, slots=None, zero_empty_rows=False):
+    def _layers(self, e, h, cos, sin, masks, *, prefixes=None, cache=None, slots=None, zero_empty_rows=False,
+                rows=None):
         """Run all layers. masks: per-layer masks. prefixes: per-layer lists of (k, v) (training).
+        ``rows`` int [B, m]: the last layer queries (and returns) only these rows; earlier layers
+        run every row, whose outputs the next layer's keys/values need (masks stay [.., n, S]).
         Returns (out, new per-layer (k, v), new cache k/v lists)."""
         new_kv, ks, vs = [], [], []
         x = None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if i == 0:
                 xin, res = layer.attn_input(e, h)
             else:
                 xin, res = layer.input_layernorm(x), x
+            qr = rows if i == last else None
+            m = masks[i]
+            if qr is not None:
+                res = take_rows(res, qr)
+                m = jnp.take_along_axis(m, qr[:, None, :, None], axis=2)
             c = None if cache is None else (cache.k[i], cache.v[i])
-            a, kv, nc = attention(layer.self_attn, xin, cos, sin, masks[i],
+            a, kv, nc = attention(layer.self_attn, xin, cos, sin, m,
                                   kv_prefix=None if prefixes is None else prefixes[i], cache=c, slots=slots,
-                                  zero_empty_rows=zero_empty_rows)
+                                  zero_empty_rows=zero_empty_rows, query_rows=qr)
             x = mlp_block(layer, res + a)
             new_kv.append(kv)
             if nc is not None:
@@ -256,17 +265,20 @@ class Eagle3Draft(ChainProposer, nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32, lengths=None) -> DraftCache:
         return DraftCache.init(self.spec, batch, max_len, dtype, lengths)
 
-    def extend(self, cache: DraftCache, hidden_states, input_ids, positions, n_valid=None) -> ChainOutput:
+    def extend(self, cache: DraftCache, hidden_states, input_ids, positions, n_valid=None, *,
+               rows=None) -> ChainOutput:
         """Append n context rows per sequence (right-padded; ``n_valid`` [B] real rows, default n).
         Row j: aux ``hidden_states[:, j]`` [A*H], token ``input_ids[:, j]`` (the token after
-        that aux state), RoPE position ``positions[:, j]``. Returns every row's logits/hidden."""
+        that aux state), RoPE position ``positions[:, j]``. Returns every row's logits/hidden
+        [B, n, *], or with ``rows`` int [B, m] only those rows' [B, m, *] (the last layer's
+        queries, final norm and lm_head run on m rows; every row's K/V is still cached)."""
         B, n = input_ids.shape
         slots = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
         h = self.project_aux(hidden_states)
         e = self.embed(input_ids)
         cos, sin = rope_cos_sin(positions, self.spec.rope, dtype=h.dtype)
         masks = [cache_mask(cache.max_len, slots, window=w) for w in self.spec.windows]
-        out, _, (ks, vs) = self._layers(e, h, cos, sin, masks, cache=cache, slots=slots)
+        out, _, (ks, vs) = self._layers(e, h, cos, sin, masks, cache=cache, slots=slots, rows=rows)
         logits, hid = self.head(out)
         adv = n if n_valid is None else n_valid
         return ChainOutput(logits, hid, DraftCache(tuple(ks), tuple(vs), cache.lengths + adv))

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.models.drafts.common import DraftCache, attention, cache_mask, init_vocab, mlp_block
+from specjax.models.drafts.common import DraftCache, attention, cache_mask, init_vocab, mlp_block, take_rows
 from specjax.models.drafts.eagle3 import ChainOutput, ChainProposer
 from specjax.models.drafts.spec import DecoderSpec, DraftConfigError
 from specjax.models.layers import DecoderLayer, RMSNorm, dense
@@ -102,11 +102,16 @@ class MTPDraft(ChainProposer, nnx.Module):
     def layer(self) -> MTPLayer:
         return self.mtp_layers[0]
 
-    def _run(self, embeds, hidden, cos, sin, mask, *, cache=None, slots=None):
+    def _run(self, embeds, hidden, cos, sin, mask, *, cache=None, slots=None, rows=None):
+        """``rows`` int [B, m]: only these rows are queried and returned (``mask`` [B, 1, m, S]);
+        every row's K/V is still written."""
         layer = self.layer
         p = layer.project_in(embeds, hidden)
         c = None if cache is None else (cache.k[0], cache.v[0])
-        a, _, nc = attention(layer.self_attn, layer.input_layernorm(p), cos, sin, mask, cache=c, slots=slots)
+        a, _, nc = attention(layer.self_attn, layer.input_layernorm(p), cos, sin, mask, cache=c, slots=slots,
+                             query_rows=rows)
+        if rows is not None:
+            p = take_rows(p, rows)
         out = layer.final_layernorm(mlp_block(layer, p + a))
         return out, nc
 
@@ -144,13 +149,17 @@ class MTPDraft(ChainProposer, nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32, lengths=None) -> DraftCache:
         return DraftCache.init(self.spec, batch, max_len, dtype, lengths, num_layers=1)
 
-    def extend(self, cache: DraftCache, hidden_states, input_ids, positions, n_valid=None) -> ChainOutput:
-        """Context rows: verifier hidden y_t [B, n, H], the next token x_{t+1} [B, n], position pos(t)."""
+    def extend(self, cache: DraftCache, hidden_states, input_ids, positions, n_valid=None, *,
+               rows=None) -> ChainOutput:
+        """Context rows: verifier hidden y_t [B, n, H], the next token x_{t+1} [B, n], position pos(t).
+        Returns every row's logits/output [B, n, *], or only ``rows`` (int [B, m]) [B, m, *]: the
+        decode path, where attention queries, MLP and the full-vocabulary lm_head run on m rows."""
         B, n = input_ids.shape
         slots = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
         cos, sin = rope_cos_sin(positions, self.spec.rope, dtype=hidden_states.dtype)
-        mask = cache_mask(cache.max_len, slots)
-        out, nc = self._run(self.embed_tokens(input_ids), hidden_states, cos, sin, mask, cache=cache, slots=slots)
+        mask = cache_mask(cache.max_len, slots if rows is None else take_rows(slots, rows))
+        out, nc = self._run(self.embed_tokens(input_ids), hidden_states, cos, sin, mask, cache=cache, slots=slots,
+                            rows=rows)
         adv = n if n_valid is None else n_valid
         return ChainOutput(self.lm_head(out), out, DraftCache((nc[0],), (nc[1],), cache.lengths + adv))
 

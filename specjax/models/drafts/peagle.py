@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.models.drafts.common import DraftCache, cache_mask, d2t_of, greedy, last_valid
+from specjax.models.drafts.common import DraftCache, cache_mask, d2t_of, greedy, last_rows, last_valid
 from specjax.models.drafts.eagle3 import Eagle3Draft, Proposal
 from specjax.models.drafts.spec import DraftConfigError
 from specjax.models.drafts.vocab import draft_to_target
@@ -115,8 +115,8 @@ class PEagleDraft(Eagle3Draft):
         k = self.speculative_tokens if k is None else k
         B, n = input_ids.shape
         nv = jnp.full((B,), n, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
-        ext = self.extend(cache, hidden_states, input_ids, positions, nv)
-        logits0 = last_valid(ext.logits, nv)
+        ext = self.extend(cache, hidden_states, input_ids, positions, nv, rows=last_rows(nv, n))
+        logits0 = ext.logits[:, 0]
         pos0 = last_valid(positions, nv)
         keys = jax.random.split(key if key is not None else jax.random.key(0), k)
         cache = ext.cache
