@@ -574,12 +574,12 @@ def _result(out: dict, b, n: int, k: int, vak, tol, trace: bool) -> SpecResult:
 
 def _mesh_for(state, mesh):
     """The mesh the loop runs on: ``mesh`` if it has more than one device, else the mesh the
-    pair's params already live on (None: the single-device program)."""
+    pair's params already live on (``mesh_of``: multi-device only; None: the single-device program)."""
     from specjax.sharding import mesh_of
 
-    if mesh is None:
+    if mesh is None or mesh.size <= 1:
         mesh = mesh_of(state)
-    return mesh if mesh is not None and mesh.size > 1 else None
+    return mesh
 
 
 def _spec_sharded(mesh, graphdef, state, b, *, vak, tol, seed: int, params: SpecParams, max_new_tokens: int,
