@@ -4,7 +4,8 @@
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the device count is fixed before jax
 starts). The script, on a tiny random target (tests/sharding/tiny.py) and pretokenized rows:
 
-* extraction with the target loaded on mesh 2x2x2 writes the cache the single-device target writes;
+* extraction with the target loaded on mesh 2x2x2 (library) and by ``specjax data extract --mesh
+  2,1,4`` writes the cache the single-device target writes;
 * three trainer steps on meshes 8x1x1 (8 packed rows per step, validation included) and 2x2x2
   (4 rows) end at the parameters of the single-device trainer fed the same [N, T] rows
   (``Run(data_parallel=N)``), within 1e-5 relative (float32, AdamW);
@@ -50,7 +51,7 @@ def test_trainer_on_meshes(tmp_path):
     assert done, out[-4000:]
     res = json.loads(done[-1][len("RESULT "):])
     assert res["devices"] == 8
-    assert set(res["checked"]) >= {"extract 2x2x2", "8x1x1", "2x2x2", "1x1x1", "resume 2x2x2", "resume refused",
+    assert set(res["checked"]) >= {"extract 2x2x2", "cli extract 2x1x4", "8x1x1", "2x2x2", "1x1x1", "resume 2x2x2", "resume refused",
                                    "cli cpu-8"}, res
 
 
@@ -160,6 +161,23 @@ def main(root: Path) -> None:
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
         np.testing.assert_allclose(a.hidden_states, b.hidden_states, rtol=1e-5, atol=1e-5, err_msg=f"hs_{i}")
     checked.append("extract 2x2x2")
+    # the CLI: target loaded onto mesh 2x1x4 from its directory, batches on (data, fsdp)
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    d3 = root / "data-cli"
+    shutil.copytree(data, d3, ignore=shutil.ignore_patterns("hidden_states"))
+    r = CliRunner().invoke(app, ["data", "extract", "--data", str(d3), "--target", str(tgt), "--aux-layer-ids", "0,1,2",
+                                 "--hidden-states-dtype", "float32", "--mesh", "2,1,4", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output.strip().splitlines()[-1])["written"] == len(rows), r.output
+    for i in range(len(rows)):
+        np.testing.assert_allclose(read_hs(hs_path(d3, i)).hidden_states, read_hs(hs_path(data, i)).hidden_states,
+                                   rtol=1e-5, atol=1e-5, err_msg=f"hs_{i}")
+    checked.append("cli extract 2x1x4")
     times["data"] = round(time.perf_counter() - t0, 1)
 
     # ---- trainer: mesh == one device fed the same [N, T] rows (validation on the 8x1x1 pair only:
@@ -216,8 +234,6 @@ def main(root: Path) -> None:
     # writing it), resumed by the CLI on the cpu-8 preset (2x2x2, target loaded from its directory
     # onto the mesh) == the uninterrupted run, bit for bit. 8 rows per step (8x1x1) is refused.
     t = time.perf_counter()
-    import shutil
-
     res_dir = root / "resume"
     shutil.copytree(root / "2x2x2", res_dir, ignore=shutil.ignore_patterns("last", "summary.json"))
     shutil.rmtree(res_dir / "checkpoints" / "3")
@@ -228,10 +244,6 @@ def main(root: Path) -> None:
         msg = str(e)
         assert "mesh {data: 2, fsdp: 2, tensor: 2}" in msg and "mesh {data: 8, fsdp: 1, tensor: 1}" in msg, msg
     checked.append("resume refused")
-    from typer.testing import CliRunner
-
-    from specjax.cli import app
-
     (root / "recipe.yaml").write_text(_recipe(data, res_dir, f"target={tgt}").to_yaml())
     r = CliRunner().invoke(app, ["train", "--config", str(root / "recipe.yaml"), "--mesh", "cpu-8", "--resume",
                                  "--json"])
