@@ -8,7 +8,7 @@ DFlash drafts loaded straight into their shardings: greedy tokens equal the sing
 speculators' relaxed rule (several tokens committed per round); 3 prompts on a batch split 2, 4
 or 8 ways are padded and unpadded. Params carry their rule's sharding, both KV caches are split by
 batch and heads inside the loop, one compile per shape, unplaced modules are placed as copies,
-and ``specjax generate --draft`` runs with ``--mesh cpu-8``.
+and ``specjax generate --draft`` / ``specjax bench`` run with ``--mesh cpu-8``.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def test_both_kv_caches_sharded_by_batch_and_heads_inside_the_loop(ckpts, ref):
     assert len(dcache.k) == 1 and len(tcache.k) == 2
 
 
-def test_cli_generate_with_draft_on_cpu_8(ckpts, ref):
+def test_cli_generate_with_draft_and_bench_on_cpu_8(ckpts, ref, tmp_path):
     from typer.testing import CliRunner
 
     from specjax.cli import app
@@ -183,4 +183,18 @@ def test_cli_generate_with_draft_on_cpu_8(ckpts, ref):
     doc = json.loads(r.output.strip().splitlines()[-1])
     assert doc["mesh"] == "mesh {data: 2, fsdp: 2, tensor: 2} over 8 cpu device(s)"
     assert [c["token_ids"] for c in doc["completions"]] == ref["greedy"]
-    assert doc["acceptance"] == json.loads(json.dumps(ref["eagle3"]["exact"].stats.to_dict()))
+    want = json.loads(json.dumps(ref["eagle3"]["exact"].stats.to_dict()))
+    assert doc["acceptance"] == want
+    # bench: one batch of the same 3 prompts (padded to 4 rows: the program above is reused)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(" ".join(f"w{t}" for t in p)) + "\n" for p in PROMPTS))
+    png = tmp_path / "acc.png"
+    r = CliRunner().invoke(app, ["bench", "-t", str(ckpts["target"]), "-d", str(ckpts["eagle3"]), "--prompts",
+                                 str(prompts), "--k", str(K), "-n", str(NEW), "-b", "4", "--no-chat", "--json",
+                                 "--no-progress", "--plot", str(png), "--mesh", "cpu-8"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output.strip().splitlines()[-1])
+    assert d["mesh"] == doc["mesh"] and d["identical_greedy_outputs"] == "3/3"
+    assert d["speculative"]["tokens"] == d["target_only"]["tokens"] == 3 * NEW
+    assert d["tokens_per_step"] == want["tokens_per_step"] and d["rounds"] == want["rounds"]
+    assert d["cost"]["c"] > 0 and d["cost"]["target_step_ms"] > 0 and png.read_bytes()[:4] == b"\x89PNG"
