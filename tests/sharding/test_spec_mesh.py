@@ -29,8 +29,8 @@ def test_speculative_loop_on_eight_devices():
                             "-o", "addopts=", "-rfEsxX", "--durations=8", str(SUITE)], cwd=str(ROOT), env=env,
                            capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"8-device speculative suite did not finish in {TIMEOUT_S}s:\n{(e.stdout or '')[-4000:]}") \
-            from e
+        tail = (e.stdout or "")[-4000:]
+        raise AssertionError(f"8-device speculative suite did not finish in {TIMEOUT_S}s:\n{tail}") from e
     out = r.stdout + r.stderr
     assert r.returncode == 0, "8-device speculative suite failed:\n" + out[-8000:]
     summary = [line for line in out.splitlines() if line.strip()][-1]
