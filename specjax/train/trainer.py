@@ -380,8 +380,9 @@ class Run:
             if got is None:
                 fp = ddir / TOKEN_FREQ_NAME
                 freq = load_token_freq(fp) if fp.is_file() else token_frequencies(rows)
-                got = build_vocab_mapping(freq, Vd, V)
-                save_vocab_mapping(ddir, *got)
+                got = build_vocab_mapping(freq, Vd, V)  # the same on every process; process 0 writes it
+                if self.main:
+                    save_vocab_mapping(ddir, *got)
             self.d2t, self.t2d = got
         # ---- draft
         from specjax.train.export import draft_layer_config, speculators_config, verifier_name
@@ -469,9 +470,9 @@ class Run:
                         shutil.rmtree(p)
                     elif p.exists():
                         p.unlink()
-            from specjax.sharding import sync
+        from specjax.sharding import sync
 
-            sync("specjax-train-overwrite")
+        sync("specjax-train-output")  # unconditional: every process reaches it, whatever it saw on disk
 
     # ------------------------------------------------------------------ state
     def build_state(self):
@@ -572,11 +573,13 @@ class Run:
 
     @property
     def local_rows(self) -> list[int]:
-        if self.shardings is None:
+        """The rows (of the ``N`` per step) this process's devices hold: all of them on one process."""
+        if self.mesh is None:
             return list(range(self.replicas))
+        from specjax.sharding import batch_sharding
         from specjax.train import sharded
 
-        return sharded.local_rows(self.shardings.batch["input_ids"], self.replicas)
+        return sharded.local_rows(batch_sharding(self.mesh, 2), self.replicas)
 
     def validate(self, params) -> dict | None:
         if self.val_data is None:
