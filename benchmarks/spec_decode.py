@@ -16,12 +16,22 @@ and speculative, measured speedup, the measured draft/target cost ratio c and ve
 the seed formula's prediction tau / (k c + 1), the prediction with the measured verify cost
 tau / (k c + v), and measured / predicted for both.
 
+It also gives a per-round breakdown (``breakdown``): the micro-timed verify forward and draft
+round at the loop's shapes and their shares, the measured loop time per round, and the machine's
+load average before and after (the numbers are only comparable at similar load).
+
 Threads are pinned to one (XLA: no multi-threaded Eigen, one intra-op thread) for steadier
 numbers on a shared machine; both loops run interleaved per batch, compile time excluded, and the
 fastest of ``--repeats`` passes counts for each side.
 
     .venv/bin/python benchmarks/spec_decode.py [--draft DIR|self|self:M] [--k 3] [--batch-size 4]
         [--max-new-tokens 64] [--prompts FILE.jsonl] [--limit 8] [--plot out.png]
+
+e.g. a trained draft, one prompt at a time, on held-out code prompts::
+
+    specjax data prompts eval-code --out /tmp/eval-code.jsonl --n 16
+    .venv/bin/python benchmarks/spec_decode.py --draft runs/eagle3-smollm2/best --prompts /tmp/eval-code.jsonl \
+        --batch-size 1 --max-new-tokens 96 --k 3
 """
 
 from __future__ import annotations
@@ -98,6 +108,25 @@ def untrained_eagle3(lt, draft_vocab: int = 32000, seed: int = 0):
     return SpecDraft(module, cfg, f"untrained-eagle3:{draft_vocab}")
 
 
+def breakdown(data: dict, load_before, load_after) -> dict:
+    """Per-round costs from a ``run_bench`` report: verify vs draft (micro-timed at the loop's
+    shapes), their sum against the measured loop time per round, and the target's time per token."""
+    c = data["cost"]
+    v_ms, d_ms, step_ms = c["verify_ms"], c["draft_round_ms"], c["target_step_ms"]
+    rounds = max(int(data["rounds"]), 1)
+    spec, base = data["speculative"], data["target_only"]
+    return {
+        "verify_ms_per_round": v_ms, "draft_ms_per_round": d_ms,
+        "verify_share": round(v_ms / (v_ms + d_ms), 4), "draft_share": round(d_ms / (v_ms + d_ms), 4),
+        "verify_over_step": round(v_ms / step_ms, 3),
+        # wall time of the speculative runs per round: the prompts' prefills and loop overhead included
+        "loop_ms_per_round_incl_prefill": round(1e3 * spec["seconds"] / rounds, 3),
+        "target_only_ms_per_token": round(1e3 * base["seconds"] / max(base["tokens"], 1), 3),
+        "loadavg_1m": {"before": round(load_before[0], 2), "after": round(load_after[0], 2)},
+        "cpus": os.cpu_count(),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="default")
@@ -117,6 +146,7 @@ def main():
     from specjax.decode.speculative import load_spec_draft
     from specjax.models.loading import load_target
 
+    load_before = os.getloadavg()
     t0 = time.perf_counter()
     lt = load_target(args.target, progress=False)
     if args.draft.startswith("untrained-eagle3"):
@@ -139,6 +169,7 @@ def main():
         rep.data["projected_speedup"] = {
             f"{tau:.1f}": {"seed_formula": round(tau / (k * c + 1), 3), "with_verify_cost": round(tau / (k * c + v), 3)}
             for tau in (2.0, 2.5, 3.0, 3.5)}
+    rep.data["breakdown"] = breakdown(rep.data, load_before, os.getloadavg())
     if args.plot:
         bench.plot(rep, args.plot)
         rep.data["plot"] = args.plot
