@@ -413,8 +413,12 @@ class Run:
                 f"the train split has {len(tr)} rows; {self.replicas} packed rows per step ({self.mesh_desc}) need "
                 f"at least {self.replicas}")
             raise DatasetError(f"no training batches ({why})", path=str(ddir))
+        # The LR schedule spans epochs x len(epoch 0's loader), as speculators computes it; the loop runs
+        # every packed batch of every epoch (multipack gives each epoch its own count, a few more or
+        # fewer), so the run ends, saves and exports at its real last step.
         planned = cfg.trainer.epochs * self.steps_per_epoch
-        self.total_steps = min(planned, cfg.trainer.max_steps) if cfg.trainer.max_steps else planned
+        actual = sum(len(self.train_data.step_batches(e)) for e in range(cfg.trainer.epochs))
+        self.total_steps = min(actual, cfg.trainer.max_steps) if cfg.trainer.max_steps else actual
         sched_total = cfg.scheduler.scheduler_total_steps or (cfg.trainer.max_steps or planned)
         self.warmup, self.sched_total = resolve_schedule_steps(total=sched_total,
                                                                warmup_steps=cfg.scheduler.scheduler_warmup_steps,
