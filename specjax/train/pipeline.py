@@ -149,13 +149,27 @@ def _regenerate(lt, convs: list[Conversation], data_dir: Path, spec: DataSpec, l
 
 def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress: bool = True,
                  log: Callable[[str], None] | None = None) -> dict:
-    """Build (or resume building) a data directory. ``target``: a ``LoadedTarget``."""
+    """Build (or resume building) a data directory. ``target``: a ``LoadedTarget``.
+
+    Multi-process runs (``jax.distributed``): hidden-state extraction is split over every process's
+    devices and process 0 alone writes files; regenerating answers is refused there (it runs on one
+    host, over all of that host's devices): prepare on one host, then train multi-host."""
+    import specjax.sharding as shd
+
     t0 = time.perf_counter()
+    main = shd.is_main_process()
+    if spec.regenerate and shd.process_count() > 1:
+        raise DatasetError(f"regenerating answers runs in one process; this run has {shd.process_count()} "
+                           "processes. Run `specjax data prepare` on one host (it uses all local devices), or "
+                           "prepare without regeneration (extraction is split over every process)",
+                           key="regenerate", path=str(out_dir))
     d = Path(out_dir)
     meta = ds.read_meta(d)
     if meta.get("complete"):
         raise DatasetError("this data directory is already complete; use another --out (or delete it)", path=str(d))
-    d.mkdir(parents=True, exist_ok=True)
+    if main:
+        d.mkdir(parents=True, exist_ok=True)
+    shd.sync("specjax-prepare-dir")
     lt = target
     cfg = lt.config
     if lt.tokenizer is None:
@@ -179,7 +193,7 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
                           if old["spec"].get(k) != spec_doc["spec"].get(k))
             raise DatasetError(f"a partial build with other settings is here (differs in {diff or ['target']}); "
                                "resume with the same settings or use another --out", path=str(d))
-    else:
+    elif main:
         with atomic_file(spec_p, text=True) as f:
             f.write(json.dumps(spec_doc, indent=2, sort_keys=True))
     sources: list[tuple[str, object]] = []  # ("staged", path) | ("row", (ids, mask))
@@ -226,7 +240,8 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
             rows.append(*src)
     for src, dst in moves:
         os.replace(src, dst)
-    ds.write_rows(d, rows)
+    if main:
+        ds.write_rows(d, rows)
     if regenerated is not convs:
         from specjax.train.prompts import write_prompt_file
 
@@ -238,11 +253,12 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
                                     max_batch_tokens=spec.max_batch_tokens, indices=plain, progress=progress,
                                     target_name=str(lt.source), log=log)
     freq = token_frequencies(rows)
-    save_token_freq(d / TOKEN_FREQ_NAME, freq)
-    if spec.draft_vocab_size is not None:
-        save_vocab_mapping(d, *build_vocab_mapping(freq, spec.draft_vocab_size, cfg.vocab_size))
+    if main:
+        save_token_freq(d / TOKEN_FREQ_NAME, freq)
+        if spec.draft_vocab_size is not None:
+            save_vocab_mapping(d, *build_vocab_mapping(freq, spec.draft_vocab_size, cfg.vocab_size))
     staging = d / HS_DIR / STAGING
-    if staging.is_dir() and not any(staging.iterdir()):
+    if main and staging.is_dir() and not any(staging.iterdir()):
         staging.rmdir()
     out = {
         "format": FORMAT, "complete": True, "target": str(lt.source), "target_kind": lt.kind,
@@ -254,7 +270,9 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
     }
     if ext:
         out["extraction"] = {k: v for k, v in ext.items() if k != "layer_ids"}
-    ds.write_meta(d, out)
+    if main:
+        ds.write_meta(d, out)
+    shd.sync("specjax-prepare-done")
     return out
 
 

@@ -271,3 +271,13 @@ def test_fp8_connector_files_are_dequantised(tmp_path, tiny_data):
     got = read_hs(p)
     ref = dequantize_fp8_tensor(q, sc, torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(np.asarray(got.hidden_states, np.float32), ref)
+
+
+def test_multi_process_regeneration_is_refused_before_any_work(tmp_path, tiny_target, monkeypatch):
+    import specjax.sharding as shd
+
+    monkeypatch.setattr(shd, "process_count", lambda: 2)
+    spec = tiny_spec(tiny_prompts(tmp_path / "p.jsonl"))
+    with pytest.raises(DatasetError, match="regenerating answers runs in one process; this run has 2"):
+        prepare_data(tmp_path / "d", spec, tiny_target, progress=False)
+    assert not (tmp_path / "d").exists()
