@@ -64,12 +64,20 @@ def relaxed_accept(target_logits, draft_tokens, verifier_accept_k: int, accept_t
     """bool [B, k]: speculators' near-miss rule on the raw verifier log-probs (see module doc).
     target_logits [B, k(+1), V] (only the first k rows are used)."""
     k = draft_tokens.shape[-1]
-    logp = jax.nn.log_softmax(target_logits[:, :k].astype(jnp.float32), axis=-1)
-    lp_d = jnp.take_along_axis(logp, draft_tokens[..., None], axis=-1)[..., 0]
-    rank = (logp > lp_d[..., None]).sum(-1)  # tokens strictly more likely than the draft token
-    top = logp.max(-1)
-    on = (jnp.asarray(verifier_accept_k) > 1) & (jnp.asarray(accept_tolerance) > 0)  # else the exact rule
-    return on & (rank < verifier_accept_k) & (top - lp_d <= accept_tolerance)
+    vak, tol = jnp.asarray(verifier_accept_k), jnp.asarray(accept_tolerance)
+    on = (vak > 1) & (tol > 0)  # else the exact rule: all False, and the [B, k, V] work is skipped
+
+    def relaxed(logits):
+        logp = jax.nn.log_softmax(logits[:, :k].astype(jnp.float32), axis=-1)
+        lp_d = jnp.take_along_axis(logp, draft_tokens[..., None], axis=-1)[..., 0]
+        rank = (logp > lp_d[..., None]).sum(-1)  # tokens strictly more likely than the draft token
+        top = logp.max(-1)
+        return (rank < vak) & (top - lp_d <= tol)
+
+    def exact(logits):  # noqa: ARG001
+        return jnp.zeros(draft_tokens.shape, bool)
+
+    return jax.lax.cond(on, relaxed, exact, target_logits)
 
 
 def _assemble(draft_tokens, n, next_token):
