@@ -210,16 +210,7 @@ def bucket(n: int, multiple: int = 32) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def prepare_head(model) -> None:
-    """Tied targets: make the ``[hidden, vocab]`` head copy once, outside jit
-    (:meth:`specjax.models.target.CausalLM.prepare_head`), before the model is split."""
-    fn = getattr(model, "prepare_head", None)
-    if fn is not None:
-        fn()
-
-
 def _split(model: CausalLM):
-    prepare_head(model)
     graphdef, params = nnx.split(model)
     return graphdef, params
 

@@ -44,7 +44,7 @@ from flax import nnx
 from specjax.decode.accept import accept, draft_probs, is_lossy, sample_draft
 from specjax.decode.generate import (
     GREEDY, Completion, DecodeState, GenerationResult, _get_target, _pin, cache_dtype_of, completions, emit,
-    encode_prompts, prepare, prepare_head, start,
+    encode_prompts, prepare, start,
 )
 from specjax.decode.sampling import SamplingParams
 from specjax.models.drafts.common import d2t_of, greedy
@@ -502,7 +502,6 @@ class SpecResult(GenerationResult):
 
 
 def split_pair(target: CausalLM, draft):
-    prepare_head(target)  # tied targets: the [hidden, vocab] head copy, made once outside jit
     return nnx.split(_Pair(target, draft))
 
 

@@ -19,31 +19,6 @@ from specjax.models.rope import apply_rope
 INIT_STD = 0.02  # HF initializer_range default; speculators inits Linear/Embedding N(0, 0.02)
 
 
-class TiedHeadKernel(nnx.Variable):
-    """``[hidden, vocab]`` contiguous copy of a tied embedding ``[vocab, hidden]``, used as the lm_head
-    kernel (``x @ kernel``) instead of ``embedding.attend(x)``.
-
-    A derived cache, not a parameter: not an ``nnx.Param``, so ``nnx.state(m, nnx.Param)`` (param
-    trees, checkpoints, exports, optimizers) never sees it. XLA CPU runs ``dot(x[B,H], E[V,H])``
-    contracting both minor dims about 2x slower than over a row-major ``[H, V]`` kernel, and a
-    transpose written inside a jit is folded back into the dot, so the copy is made outside jit
-    (:func:`transposed_head_kernel`)."""
-
-
-def transposed_head_kernel(embedding) -> jax.Array:
-    """``embedding`` [V, H] (a concrete array) -> a fresh row-major [H, V] copy, made outside any
-    traced program. A ``NamedSharding`` embedding gives the copy the transposed spec (``P(a, b)`` ->
-    ``P(b, a)``) on the same mesh."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    sh = getattr(embedding, "sharding", None)
-    if isinstance(sh, NamedSharding):
-        spec = tuple(sh.spec) + (None,) * (2 - len(sh.spec))
-        out = NamedSharding(sh.mesh, PartitionSpec(spec[1], spec[0]))
-        return jax.jit(jnp.transpose, out_shardings=out)(embedding)
-    return jax.jit(jnp.transpose)(embedding)
-
-
 def dense(in_features: int, out_features: int, *, bias: bool, rngs: nnx.Rngs, param_dtype=jnp.float32,
           dtype=None) -> nnx.Linear:
     return nnx.Linear(in_features, out_features, use_bias=bias, rngs=rngs, param_dtype=param_dtype, dtype=dtype,

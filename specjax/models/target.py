@@ -12,12 +12,6 @@ Param tree (HF names through ``bridge.layout`` table ``hf_lm``)::
     model.norm.scale
     lm_head.kernel                              [hidden, vocab]   (absent when tied)
 
-Tied targets may also carry ``tied_head`` (a :class:`~specjax.models.layers.TiedHeadKernel`, NOT a
-Param): a ``[hidden, vocab]`` copy of the embedding made once, outside jit, by
-:meth:`CausalLM.prepare_head` (the decode entry points call it). When present the head is
-``h @ tied_head`` (faster on XLA CPU than ``embed_tokens.attend``); when absent (the default, and
-every param / checkpoint / optimizer path, which filter ``nnx.Param``) it is ``attend``.
-
 KV cache (:class:`KVCache`, a pytree NamedTuple)::
 
     k, v     tuple of num_hidden_layers arrays [batch, max_len, num_kv_heads, head_dim]
@@ -39,7 +33,6 @@ pos[b, t] - W`` on sliding-window layers). Hence:
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple, Sequence
 
 import jax
@@ -48,8 +41,7 @@ from flax import nnx
 
 from specjax.models.config import TargetConfig
 from specjax.models.errors import ContextLengthError, TapIdError, UnknownArchitectureError
-from specjax.models.layers import (INIT_STD, DecoderLayer, RMSNorm, TiedHeadKernel, attend, causal_mask, dense,
-                                   transposed_head_kernel)
+from specjax.models.layers import INIT_STD, DecoderLayer, RMSNorm, attend, causal_mask, dense
 from specjax.models.rope import apply_rope, rope_cos_sin
 
 
@@ -108,11 +100,6 @@ class Backbone(nnx.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
 
 
-# model -> the embedding array its ``tied_head`` was copied from (outside the pytree: a stale copy is
-# detected by identity and remade by ``prepare_head``)
-_HEAD_SOURCE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 class CausalLM(nnx.Module):
     """Decoder-only target LM (Llama / Qwen3 families).
 
@@ -129,7 +116,6 @@ class CausalLM(nnx.Module):
         else:
             self.lm_head = dense(config.hidden_size, config.vocab_size, bias=False, rngs=rngs,
                                  param_dtype=param_dtype, dtype=dtype)
-        self.tied_head: TiedHeadKernel | None = nnx.data(None)  # see prepare_head
 
     @property
     def num_layers(self) -> int:
@@ -138,38 +124,12 @@ class CausalLM(nnx.Module):
     def embed(self, input_ids):
         return self.model.embed_tokens(input_ids)
 
-    def prepare_head(self) -> bool:
-        """Tied targets: (re)make ``tied_head``, the ``[hidden, vocab]`` copy of the embedding the
-        head multiplies by, unless the current one was made from the current embedding array.
-        Call outside jit, before ``nnx.split`` (the decode entry points do). A sharded embedding
-        gives a copy with the transposed sharding. Returns True when the head uses the copy;
-        False (nothing done) for untied targets and abstract / traced embeddings."""
-        if self.lm_head is not None:
-            return False
-        emb = self.model.embed_tokens.embedding.get_value()
-        if not isinstance(emb, jax.Array) or isinstance(emb, jax.core.Tracer):
-            return False
-        if self.tied_head is not None and _HEAD_SOURCE.get(self) is emb:
-            return True
-        self.tied_head = nnx.data(TiedHeadKernel(transposed_head_kernel(emb)))
-        _HEAD_SOURCE[self] = emb
-        return True
-
-    def release_head(self) -> None:
-        """Drop ``tied_head`` (the head goes back to ``embed_tokens.attend``)."""
-        self.tied_head = nnx.data(None)
-        _HEAD_SOURCE.pop(self, None)
-
     def head(self, h):
         """Final norm + lm_head over pre-norm hidden states ``[..., hidden]`` -> logits ``[..., vocab]``."""
         h = self.model.norm(h)
-        if self.lm_head is not None:
-            return self.lm_head(h)
-        emb = self.model.embed_tokens
-        if self.tied_head is not None:  # same math as Embed.attend, over the [H, V] copy
-            h, kernel = emb.promote_dtype((h, self.tied_head[...]), dtype=emb.dtype)
-            return jnp.dot(h, kernel)
-        return emb.attend(h)
+        if self.lm_head is None:
+            return self.model.embed_tokens.attend(h)
+        return self.lm_head(h)
 
     def __call__(self, input_ids, *, positions=None, cache: KVCache | None = None, attention_mask=None,
                  tap_ids: Sequence[int] = (), logits_at=None, return_logits: bool = True) -> TargetOutput:

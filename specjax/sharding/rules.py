@@ -15,8 +15,7 @@ are ``[in, out]``; embeddings ``[vocab, hidden]``.
 
 Default layout (Megatron-style): column-parallel ``q/k/v``, ``gate/up`` and ``lm_head``
 (output dim on ``tensor``, input dim on ``fsdp``), row-parallel ``o_proj`` and ``down_proj``
-(input dim on ``tensor``), embeddings split by vocabulary on ``tensor`` (a tied target's ``tied_head``
-[H, V] copy takes the transposed spec); norms and vocab maps
+(input dim on ``tensor``), embeddings split by vocabulary on ``tensor``; norms and vocab maps
 replicated.
 """
 
@@ -100,7 +99,6 @@ _DECODER = (
     (r"(^|\.)(t2d|d2t)$", P()),  # vocab maps [V] bool / [Vd] int
     (r"(^|\.)[A-Za-z_]*norm(\.\d+)?\.scale$", P()),  # every RMSNorm (input_layernorm, q_norm, fc_norm.0, ...)
     (r"(^|\.)embed_tokens\.embedding$", P("tensor", "fsdp")),  # [V, H]
-    (r"(^|\.)tied_head$", P("fsdp", "tensor")),  # [H, V] copy of a tied embedding (TiedHeadKernel): transposed
     (r"(^|\.)self_attn\.(q|k|v)_proj\.kernel$", P("fsdp", "tensor")),  # [H, heads*hd]
     (r"(^|\.)self_attn\.(q|k|v)_proj\.bias$", P("tensor")),
     (r"(^|\.)self_attn\.o_proj\.kernel$", P("tensor", "fsdp")),  # [heads*hd, H]
