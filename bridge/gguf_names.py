@@ -35,13 +35,14 @@ TENSOR_RULES: tuple[tuple[str, str], ...] = (
 )
 _COMPILED = tuple((re.compile(p), t) for p, t in TENSOR_RULES)
 
-# GGUF tensors that carry no HF weight and are safe to skip.
-IGNORED: tuple[str, ...] = (r"^blk\.\d+\.attn_rot_embd$",)
+# GGUF tensors that carry no HF weight and are safe to skip. ``rope_freqs.weight`` (llama3 rope
+# scaling stored as per-dimension factors) is turned back into HF ``rope_parameters`` by
+# :func:`llama3_rope_from_factors` when the config is read, and refused there if it cannot be.
+IGNORED: tuple[str, ...] = (r"^blk\.\d+\.attn_rot_embd$", r"^rope_freqs\.weight$")
+ROPE_FREQS = "rope_freqs.weight"
 
 # Tensors whose presence changes the math in a way the HF side expresses differently.
-UNSUPPORTED: dict[str, str] = {
-    r"^rope_freqs\.weight$": "per-dimension rope frequency factors (llama3 rope scaling stored as a tensor)",
-}
+UNSUPPORTED: dict[str, str] = {}
 
 # HF architecture name for each GGUF general.architecture we load.
 ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -101,3 +102,38 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of :func:`permute_qk`: GGUF q/k rows back to the HF (rotate-half) layout.
     ``n_head`` is the attention head count for Q and the KV head count for K."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(theta: float, dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+                        original_max_position_embeddings: int) -> np.ndarray:
+    """The per-dimension divisors llama.cpp's converter stores as ``rope_freqs.weight`` for HF
+    ``rope_type: llama3`` (HF's ``inv_freq_llama = inv_freq / factors``)."""
+    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * np.pi / inv
+    lo_w = original_max_position_embeddings / low_freq_factor
+    hi_w = original_max_position_embeddings / high_freq_factor
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < hi_w, 1.0, np.where(wavelen > lo_w, factor, mid))
+
+
+def llama3_rope_from_factors(factors: np.ndarray, theta: float, dim: int, *, factor: float | None = None,
+                             original: int | None = None) -> dict | None:
+    """HF ``rope_parameters`` (llama3) whose factors equal ``factors`` (float32 precision), trying the
+    metadata hints and the values published llama3 checkpoints use; None when nothing matches."""
+    f = np.asarray(factors, np.float64).reshape(-1)
+    if f.shape[0] != dim // 2:
+        return None
+    factors_c = [x for x in (factor, float(f.max()), 8.0, 16.0, 32.0, 4.0, 2.0, 64.0) if x]
+    origs = [x for x in (original, 8192, 4096, 2048, 16384, 32768, 65536, 131072) if x]
+    for fa in dict.fromkeys(factors_c):
+        for orig in dict.fromkeys(int(o) for o in origs):
+            for lo in (1.0, 0.5, 2.0):
+                for hi in (4.0, 2.0, 8.0, 1.5):
+                    if hi <= lo:
+                        continue
+                    want = llama3_rope_factors(theta, dim, fa, lo, hi, orig)
+                    if np.allclose(f, want, rtol=1e-5, atol=1e-6):
+                        return {"rope_type": "llama3", "factor": fa, "low_freq_factor": lo, "high_freq_factor": hi,
+                                "original_max_position_embeddings": orig, "rope_theta": theta}
+    return None

@@ -75,6 +75,28 @@ class GGUFFile:
                 raise UnsupportedGGUFError(f"tensor {t.name!r} ({why}) is not supported", path=self.path, key=t.name)
 
 
+def _rope_from_freqs(gf: GGUFFile, cfg: dict, head_dim: int) -> dict:
+    """llama3 rope scaling that llama.cpp stored as ``rope_freqs.weight``, back as HF rope_parameters."""
+    from gguf.quants import dequantize
+
+    t = next(t for t in gf.tensors if t.name == gguf_names.ROPE_FREQS)
+    f = np.asarray(dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
+    theta = float(cfg.get("rope_theta", 10000.0))
+    if f.shape[0] != head_dim // 2:
+        raise UnsupportedGGUFError(f"tensor {gguf_names.ROPE_FREQS!r} has {f.shape[0]} factors; expected head_dim/2 = "
+                                   f"{head_dim // 2}", path=gf.path, key=gguf_names.ROPE_FREQS)
+    if np.all(f == 1.0):
+        return {"rope_type": "default", "rope_theta": theta}
+    rp = gguf_names.llama3_rope_from_factors(f, theta, head_dim, factor=gf.get(f"{gf.arch}.rope.scaling.factor"),
+                                             original=gf.get(f"{gf.arch}.rope.scaling.original_context_length"))
+    if rp is None:
+        raise UnsupportedGGUFError(
+            f"tensor {gguf_names.ROPE_FREQS!r} holds per-dimension rope factors that match no llama3 rope scaling "
+            f"(factor, low/high_freq_factor, original context tried); min {f.min():.4g}, max {f.max():.4g}",
+            path=gf.path, key=gguf_names.ROPE_FREQS)
+    return rp
+
+
 def gguf_config(gf: GGUFFile) -> dict:
     """An HF-style ``config.json`` dict from the GGUF metadata."""
     gf.check_supported()
@@ -109,6 +131,8 @@ def gguf_config(gf: GGUFFile) -> dict:
         raise UnsupportedGGUFError(f"rope dimension_count {rot} != head_dim {head_dim} (partial rotary) is not supported",
                                    path=gf.path, key=f"{arch}.rope.dimension_count")
     names = {t.name for t in gf.tensors}
+    if gguf_names.ROPE_FREQS in names:
+        cfg["rope_parameters"] = _rope_from_freqs(gf, cfg, int(head_dim))
     cfg["tie_word_embeddings"] = "output.weight" not in names
     cfg["attention_bias"] = "blk.0.attn_q.bias" in names
     for gk, hk in gguf_names.TOKEN_ID_KEYS.items():

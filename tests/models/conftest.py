@@ -74,7 +74,7 @@ def smol_ref_tokenizer(smol_dir):
 
 
 def write_tiny_gguf(hf_dir: Path, out: Path, *, arch: str = "llama", qtype: str = "F32", extra_tensors=None,
-                    arch_name: str | None = None) -> Path:
+                    arch_name: str | None = None, extra_meta: dict | None = None) -> Path:
     """Write a tiny HF checkpoint as a GGUF the way llama.cpp's converter does (GGUF names,
     Q/K rows permuted for llama, the given quantisation for 2-D weights, F32 norms)."""
     import json
@@ -111,6 +111,8 @@ def write_tiny_gguf(hf_dir: Path, out: Path, *, arch: str = "llama", qtype: str 
     w.add_float32(f"{arch}.rope.freq_base", cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
     w.add_uint32(f"{arch}.vocab_size", cfg["vocab_size"])
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    for k, v in (extra_meta or {}).items():
+        (w.add_float32 if isinstance(v, float) else w.add_uint32)(k, v)
     q = getattr(GGMLQuantizationType, qtype)
     for name in sorted(store.names):
         a = np.array(store.array(name), dtype=np.float32)

@@ -96,14 +96,38 @@ def test_unsupported_quantisation_type_names_tensor(tiny_target, tmp_path):
         load_gguf(g, progress=False)
 
 
-def test_unknown_tensor_and_rope_freqs_refused(tiny_target, tmp_path):
+def test_unknown_tensor_and_unmatched_rope_freqs_refused(tiny_target, tmp_path):
     d, _ = tiny_target("llama")
     g = write_tiny_gguf(d, tmp_path / "x.gguf", extra_tensors={"blk.0.ffn_gate_exps.weight": np.zeros((4, 4), np.float32)})
     with pytest.raises(UnsupportedGGUFError, match="ffn_gate_exps.*no HF equivalent"):
         load_gguf(g, progress=False)
-    g = write_tiny_gguf(d, tmp_path / "r.gguf", extra_tensors={"rope_freqs.weight": np.ones(4, np.float32)})
-    with pytest.raises(UnsupportedGGUFError, match="rope_freqs"):
+    bad = np.array([1.0, 3.0, 1.5, 7.0], np.float32)  # no llama3 scaling gives these
+    g = write_tiny_gguf(d, tmp_path / "r.gguf", extra_tensors={"rope_freqs.weight": bad})
+    with pytest.raises(UnsupportedGGUFError, match="rope_freqs.*match no llama3 rope scaling"):
         load_gguf(g, progress=False)
+    g = write_tiny_gguf(d, tmp_path / "r3.gguf", extra_tensors={"rope_freqs.weight": np.ones(3, np.float32)})
+    with pytest.raises(UnsupportedGGUFError, match="3 factors; expected head_dim/2 = 4"):
+        load_gguf(g, progress=False)
+
+
+def test_llama3_rope_stored_as_rope_freqs_matches_transformers(tiny_target, tmp_path):
+    """llama.cpp stores llama3 rope scaling as per-dimension factors (``rope_freqs.weight``); they are
+    turned back into HF rope_parameters, and the logits equal transformers' llama3 model."""
+    theta, orig = 100.0, 64  # every band of the llama3 curve is hit by head_dim 8
+    rp = {"rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": orig}
+    d, ref = tiny_target("llama", rope_parameters=rp)
+    f = gguf_names.llama3_rope_factors(theta, 8, 8.0, 1.0, 4.0, orig).astype(np.float32)
+    assert f[0] == 1.0 and f[-1] == 8.0 and 1.0 < f[1] < 8.0  # high, medium and low frequency dims
+    meta = {"llama.rope.scaling.original_context_length": orig}
+    g = write_tiny_gguf(d, tmp_path / "l3.gguf", extra_tensors={"rope_freqs.weight": f}, extra_meta=meta)
+    model, config, cfg_dict, flat, _ = load_gguf(g, progress=False)
+    assert cfg_dict["rope_parameters"] == rp and "rope_freqs.weight" not in flat
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 40))
+    want, _ = hf_forward(ref, ids)
+    assert rel_err(model(jnp.asarray(ids)).logits, want) <= 1e-5
+    plain, *_ = load_gguf(write_tiny_gguf(d, tmp_path / "plain.gguf", extra_meta=meta), progress=False)
+    assert rel_err(plain(jnp.asarray(ids)).logits, want) > 1e-4  # the factors matter at these positions
 
 
 def test_not_a_gguf(tmp_path):
