@@ -180,6 +180,17 @@ def _generate_sharded(mesh, graphdef, params, b: "Batch", *, seed: int, max_new_
     """Pad the batch to a multiple of data x fsdp (extra rows: limit 0, done at once), run the
     sharded loop, return the real rows. Multi-process: every process calls this with the same
     prompts and gets the same result."""
+    B = b.ids.shape[0]
+    fn = sharded_generate_fn(mesh, params)
+    toks, num, eos_hit = fn(params, *padded_mesh_inputs(b, mesh, seed), graphdef, int(max_new_tokens), int(max_len),
+                            sampling, b.pad, cache_dtype)  # static, in _STATIC order
+    return np.asarray(toks)[:B], np.asarray(num)[:B], np.asarray(eos_hit)[:B]
+
+
+def padded_mesh_inputs(b: "Batch", mesh, seed: int) -> tuple:
+    """``(ids, lens, limits, key_data, eos)`` on ``mesh``: the batch padded to a multiple of
+    data x fsdp (extra rows: length 1, limit 0, so they are done at once) and split over the batch
+    axes; the key and EOS ids replicated."""
     from specjax import sharding as shd
 
     B = b.ids.shape[0]
@@ -190,13 +201,10 @@ def _generate_sharded(mesh, graphdef, params, b: "Batch", *, seed: int, max_new_
     lens[:B] = b.lens
     limits = np.zeros((Bp,), np.int32)
     limits[:B] = b.limits
-    fn = sharded_generate_fn(mesh, params)
     b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
     key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
-    toks, num, eos_hit = fn(params, shd.put(ids, b2), shd.put(lens, b1), shd.put(limits, b1), shd.put(key_data, rep),
-                            shd.put(np.asarray(b.eos, np.int32), rep), graphdef, int(max_new_tokens), int(max_len),
-                            sampling, b.pad, cache_dtype)  # static, in _STATIC order
-    return np.asarray(toks)[:B], np.asarray(num)[:B], np.asarray(eos_hit)[:B]
+    return (shd.put(ids, b2), shd.put(lens, b1), shd.put(limits, b1), shd.put(key_data, rep),
+            shd.put(np.asarray(b.eos, np.int32), rep))
 
 
 @dataclass

@@ -587,20 +587,11 @@ def _spec_sharded(mesh, graphdef, state, b, *, vak, tol, seed: int, params: Spec
     """Pad the batch to a multiple of data x fsdp (extra rows: limit 0, done at once, no stats),
     run :func:`sharded_spec_fn`, return host outputs (every row; :func:`_result` drops the padding)."""
     from specjax import sharding as shd
+    from specjax.decode.generate import padded_mesh_inputs
 
-    B = b.ids.shape[0]
-    Bp = shd.pad_batch(B, mesh)
-    ids = np.full((Bp, b.ids.shape[1]), b.pad, np.int32)
-    ids[:B] = b.ids
-    lens = np.ones((Bp,), np.int32)
-    lens[:B] = b.lens
-    limits = np.zeros((Bp,), np.int32)
-    limits[:B] = b.limits
     fn = sharded_spec_fn(mesh, state)
-    b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
-    key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
-    out = fn(state, shd.put(ids, b2), shd.put(lens, b1), shd.put(limits, b1), shd.put(key_data, rep),
-             shd.put(np.asarray(b.eos, np.int32), rep), shd.put(np.asarray([vak, tol], np.float32), rep),
+    relax = shd.put(np.asarray([vak, tol], np.float32), shd.replicated(mesh))
+    out = fn(state, *padded_mesh_inputs(b, mesh, seed), relax,
              graphdef, params, max_new_tokens, max_len, draft_len, b.pad, cache_dtype, draft_dtype, trace)  # _STATIC
     return jax.tree.map(shd.to_host, out)
 

@@ -191,23 +191,9 @@ def _verifier_for(target):
 
 
 def _gathering_source(module):
-    from bridge.layout import path_to_flat
     from specjax.models.drafts.verifier_weights import VerifierSource
-    from specjax.models.params import param_paths
-    from specjax.sharding.apply import to_host
 
-    table = {}
-    for path, var in param_paths(module).items():
-        name, kind = path_to_flat(path)
-        table[name] = (var, kind)
-
-    def get(n):
-        var, kind = table[n]
-        a = to_host(var.get_value())
-        return a.T if kind == "linear" else a
-
-    family = getattr(getattr(module, "config", None), "family", None)
-    return VerifierSource(table, get, model_type=family, where=type(module).__name__)
+    return VerifierSource.from_module(module)  # gathers each tensor with to_host (multi-process safe)
 
 
 def load_draft(path: str | os.PathLike, target: Any = None, mesh=None, *,

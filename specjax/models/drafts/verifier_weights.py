@@ -136,8 +136,10 @@ class VerifierSource:
             table[name] = (var, kind)
 
         def get(n):
+            from specjax.sharding.apply import to_host  # the full value, even of a multi-process array
+
             var, kind = table[n]
-            a = np.asarray(var.value)
+            a = to_host(var.get_value())
             return a.T if kind == "linear" else a
 
         family = getattr(getattr(module, "config", None), "family", None)
