@@ -35,23 +35,20 @@ def _env() -> dict:
     return env
 
 
-def test_two_processes_load_sharded_and_match_one_process(tmp_path):
-    target = tiny.write_target(tmp_path / "target")
-    ids = np.random.default_rng(0).integers(3, tiny.V, (4, 9)).astype(np.int32)
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "ids.json").write_text(json.dumps(ids.tolist()))
+def run_workers(worker: Path, args, timeout_s: int, n: int = 2) -> list[str]:
+    """Start ``n`` processes of ``worker`` (``args(i, port)``: its command-line arguments) with one
+    free coordinator port, wait for all of them (killing every one on a timeout or failure) and
+    fail the test, with the tail of its log, if any exits non-zero. Returns their logs."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port), str(target), str(out)],
-                              env=_env(), cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(worker), *map(str, args(i, port))], env=_env(), cwd=str(ROOT),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n)]
     logs = []
     try:
         for p in procs:
             try:
-                logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+                logs.append(p.communicate(timeout=timeout_s)[0])
             except subprocess.TimeoutExpired:
-                pytest.fail(f"a worker did not finish within {TIMEOUT_S}s")
+                pytest.fail(f"a worker did not finish within {timeout_s}s")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -59,6 +56,16 @@ def test_two_processes_load_sharded_and_match_one_process(tmp_path):
                 p.wait()
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"worker {i} exited {p.returncode}:\n" + "\n".join(logs[i].splitlines()[-40:])
+    return logs
+
+
+def test_two_processes_load_sharded_and_match_one_process(tmp_path):
+    target = tiny.write_target(tmp_path / "target")
+    ids = np.random.default_rng(0).integers(3, tiny.V, (4, 9)).astype(np.int32)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ids.json").write_text(json.dumps(ids.tolist()))
+    run_workers(WORKER, lambda i, port: [i, 2, port, target, out], TIMEOUT_S)
 
     # the same computation in this (single-device) process
     from specjax.decode.generate import generate_ids

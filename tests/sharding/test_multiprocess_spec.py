@@ -6,17 +6,13 @@ acceptance histogram. The test starts and stops the processes itself, with a tim
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from tests.sharding import tiny
-from tests.sharding.test_multiprocess import _env, _free_port
+from tests.sharding.test_multiprocess import run_workers
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("mp_spec_worker.py")
 TIMEOUT_S = 240
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -30,24 +26,7 @@ def test_two_processes_share_one_gguf_cache_and_match_one_process(tmp_path):
     cache, out = tmp_path / "cache", tmp_path / "out"
     out.mkdir()
     (out / "prompts.json").write_text(json.dumps(PROMPTS))
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port), str(gguf), str(draft), str(cache),
-                               str(out)], env=_env(), cwd=str(ROOT), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"a worker did not finish within {TIMEOUT_S}s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"worker {i} exited {p.returncode}:\n" + "\n".join(logs[i].splitlines()[-40:])
+    run_workers(WORKER, lambda i, port: [i, 2, port, gguf, draft, cache, out], TIMEOUT_S)
 
     seen = [json.loads((out / f"proc{i}.json").read_text()) for i in range(2)]
     (cdir,) = cache.iterdir()
