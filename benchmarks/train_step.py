@@ -82,7 +82,8 @@ def main():
     from specjax.models.target import build_model
     from specjax.train.config import load_recipe
     from specjax.train.export import draft_layer_config, init_draft, speculators_config
-    from specjax.train.trainer import FROZEN, TRACE_COUNT, device_batch, make_step_fns, trainable_filter
+    from specjax.train.step import TRACE_COUNT, device_batch, make_step_fns
+    from specjax.train.trainer import FROZEN, trainable_filter
     from specjax.train.optim import build_optimizer
     from specjax.train.vocab import build_vocab_mapping
     from flax import nnx

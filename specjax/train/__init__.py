@@ -20,7 +20,7 @@ import importlib
 
 _EXPORTS = {
     "load_recipe": "config", "TrainConfig": "config",
-    "train": "trainer", "Run": "trainer", "TRACE_COUNT": "trainer", "make_step_fns": "trainer",
+    "train": "trainer", "Run": "trainer", "TRACE_COUNT": "step", "make_step_fns": "step",
     "prepare_data": "pipeline", "DataSpec": "pipeline", "load_data_dir": "pipeline",
     "extract_hidden_states": "hidden_states", "read_hs": "hidden_states", "write_hs": "hidden_states",
     "build_vocab_mapping": "vocab", "token_frequencies": "vocab",

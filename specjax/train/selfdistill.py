@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.decode.generate import emit, is_eos
+from specjax.decode.generate import emit
 from specjax.decode.sampling import SamplingParams, sample
 from specjax.models.target import KVCache
 

@@ -45,233 +45,30 @@ exports, and prints progress.
 from __future__ import annotations
 
 import json
-import math
-import os
-import queue
 import shutil
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from bridge.atomic import atomic_file
 from specjax.train.config import TrainConfig
-from specjax.train.fast_eagle3 import ttt_forward
 from specjax.train.errors import DatasetError, HiddenStateCacheError, ResumeError, TrainError
-from specjax.train.hidden_states import cache_layer_ids, default_aux_layer_ids, hs_path, read_hs, verify_cache
-from specjax.train.losses import parse_loss_spec
-from specjax.train.objectives import (
-    accept_estimate, dflash_objective, eagle3_objective, normalize_metrics, select_anchors,
-)
+from specjax.train.feed import Prefetch, TrainData
+from specjax.train.hidden_states import cache_layer_ids, default_aux_layer_ids, verify_cache
+from specjax.train.objectives import accept_estimate, normalize_metrics
 from specjax.train.optim import build_optimizer, resolve_schedule_steps
-from specjax.train.packing import PREPROCESS, collate, multipack_batches
+from specjax.train.step import device_batch, make_step_fns
 
-TRACE_COUNT = {"train_step": 0, "eval_step": 0}  # every trace in this process (per run: StepFns.traces)
 PARALLEL_KEY = "_parallel"  # resume.json: rows per step and the mesh of the run
 FROZEN = ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm")
 
 
 def trainable_filter(path, _value) -> bool:
     return not any(str(p) in FROZEN for p in path)
-
-
-# ----------------------------------------------------------------------------- data
-
-
-class TrainData:
-    """Rows of a data directory with their cached hidden states, packed per (seed, epoch)."""
-
-    def __init__(self, data_dir: str | os.PathLike, rows, indices, *, algo: str, num_aux: int, hidden_size: int,
-                 total_seq_len: int, seed: int, replicas: int = 1):
-        self.dir = Path(data_dir)
-        self.rows = rows
-        self.indices = np.asarray(list(indices), np.int64)
-        self.algo = algo
-        self.num_aux = num_aux
-        self.hidden = hidden_size
-        self.T = total_seq_len
-        self.seed = seed
-        self.replicas = int(replicas)
-        self._epochs: dict[int, list[np.ndarray]] = {}
-        self._steps: dict[int, list[tuple[np.ndarray, ...]]] = {}
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        if epoch not in self._epochs:
-            lens = [len(self.rows.input_ids[i]) for i in self.indices]
-            self._epochs[epoch] = [self.indices[b] for b in
-                                   multipack_batches(lens, self.T, seed=self.seed, epoch=epoch)]
-        return self._epochs[epoch]
-
-    def step_batches(self, epoch: int) -> list[tuple[np.ndarray, ...]]:
-        """One tuple of ``replicas`` row-index arrays per step: element ``r`` is the packed row
-        speculators' multipack sampler gives rank ``r`` of ``replicas`` (``(b,)`` for one replica:
-        :meth:`epoch_batches`)."""
-        if epoch not in self._steps:
-            if self.replicas == 1:
-                self._steps[epoch] = [(b,) for b in self.epoch_batches(epoch)]
-            else:
-                lens = [len(self.rows.input_ids[i]) for i in self.indices]
-                per_rank = [multipack_batches(lens, self.T, seed=self.seed, epoch=epoch, num_replicas=self.replicas,
-                                              rank=r) for r in range(self.replicas)]
-                self._steps[epoch] = [tuple(self.indices[b] for b in step) for step in zip(*per_rank)]
-        return self._steps[epoch]
-
-    def tokens(self, idx: np.ndarray) -> int:
-        """Non-padding positions of the packed row of ``idx`` (from the row lengths alone)."""
-        shift = 1 if PREPROCESS[self.algo] is not None else 0
-        return min(self.T, sum(max(len(self.rows.input_ids[int(i)]) - shift, 0) for i in idx))
-
-    def sample(self, i: int) -> dict:
-        p = hs_path(self.dir, i)
-        rec = read_hs(p)
-        hs = rec.hidden_states
-        ids = self.rows.input_ids[i]
-        if hs.shape[0] != len(ids) or not np.array_equal(rec.token_ids, ids):
-            raise HiddenStateCacheError(f"token ids of hs_{i} do not match dataset row {i}", path=str(p),
-                                        key="token_ids")
-        T = hs.shape[0]
-        return {"hidden_states": hs[:, :-1].reshape(T, -1), "input_ids": np.asarray(ids, np.int64),
-                "verifier_last_hidden_states": hs[:, -1], "loss_mask": np.asarray(self.rows.loss_mask[i], np.int64),
-                "position_ids": np.arange(T, dtype=np.int64)}
-
-    def batch(self, idx: np.ndarray) -> dict:
-        return collate([self.sample(int(i)) for i in idx], self.T, hidden_size=self.hidden, num_aux=self.num_aux,
-                       preprocess=PREPROCESS[self.algo])
-
-
-class Prefetch:
-    """Builds the next packed rows on a background thread (numpy releases the GIL while copying)."""
-
-    def __init__(self, build: Callable[[Any], Any], items: list[tuple[int, Any]], depth: int = 2):
-        self.q: queue.Queue = queue.Queue(maxsize=depth)
-        self.err = None
-
-        def run():
-            try:
-                for key, idx in items:
-                    self.q.put((key, build(idx)))
-            except BaseException as e:  # surfaced in the consumer
-                self.err = e
-            self.q.put(None)
-
-        self.t = threading.Thread(target=run, daemon=True)
-        self.t.start()
-
-    def __iter__(self):
-        while True:
-            item = self.q.get()
-            if item is None:
-                if self.err is not None:
-                    raise self.err
-                return
-            yield item
-
-
-# ----------------------------------------------------------------------------- step
-
-
-def _cast(tree, dtype):
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
-@dataclass
-class StepFns:
-    train_step: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics)
-    eval_step: Callable  # (params, batch) -> metrics
-    traces: dict  # {"train_step": n, "eval_step": n}: compiles of these two functions
-
-
-def _key(rng):
-    """A batch's ``rng``: a typed key, or raw key data ``uint32 [2]`` (what a mesh batch carries)."""
-    return jax.random.wrap_key_data(rng) if rng.dtype == jnp.uint32 else rng
-
-
-def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> StepFns:
-    """The jitted train / eval steps. ``shardings`` (:class:`specjax.train.sharded.StepShardings`)
-    makes both ``jax.jit`` with explicit in/out shardings (params, optimizer state and frozen
-    tensors as given, the batch on ``("data", "fsdp")``, metrics replicated) and donates the
-    params and optimizer state; ``None`` = one device.
-
-    A batch is ``[N, T, ...]``: the loss (and so the gradient) is the mean over the ``N`` rows of
-    each row's loss. The eval step sums every metric over the rows of a batch that hold tokens
-    (empty filler rows count nothing)."""
-    algo = cfg.speculator_type
-    cdt = jnp.bfloat16 if cfg.trainer.compute_dtype == "bfloat16" else jnp.float32
-    spec = parse_loss_spec(cfg.loss.loss_fn)
-    S = cfg.loss.ttt_steps
-    f = cfg.dflash
-
-    def forward(params, frozen, batch):
-        model = nnx.merge(graphdef, _cast(params, cdt), _cast(frozen, cdt))
-        if "rng" in batch:
-            batch = dict(batch, rng=_key(batch["rng"]))
-        hs = batch["hidden_states"].astype(cdt)
-        y = batch["verifier_last_hidden_states"].astype(cdt)
-        if algo == "eagle3":
-            out = ttt_forward(model, hs, batch["input_ids"], batch["document_ids"], batch["position_ids"], y,
-                              ttt_steps=S)
-            return eagle3_objective(out.logits, out.targets, batch["loss_mask"], loss_spec=spec,
-                                    ttt_step_loss_decay=cfg.loss.ttt_step_loss_decay)
-        anchors, valid = select_anchors(batch["rng"], batch["loss_mask"], cfg.data.max_anchors, f.block_size)
-        out = model(hs, batch["input_ids"], batch["loss_mask"], y, batch["document_ids"], batch["position_ids"],
-                    anchor_positions=anchors, anchor_valid=valid)
-        return dflash_objective(out.logits, out.targets, out.loss_mask, block_size=f.block_size, loss_spec=spec,
-                                per_position_loss_weight=f.per_position_loss_weight, gamma=f.dflash_decay_gamma,
-                                dpace_alpha=f.dpace_alpha, sample_from_anchor=f.sample_from_anchor)
-
-    traces = {"train_step": 0, "eval_step": 0}
-
-    def _train(params, opt_state, batch, frozen):
-        TRACE_COUNT["train_step"] += 1
-        traces["train_step"] += 1
-        (loss, metrics), grads = jax.value_and_grad(forward, has_aux=True)(params, frozen, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        metrics = dict(metrics, grad_norm=(optax.tree.norm(grads), jnp.ones((), jnp.float32)))
-        return params, opt_state, metrics
-
-    def _eval(params, batch, frozen):
-        TRACE_COUNT["eval_step"] += 1
-        traces["eval_step"] += 1
-        if batch["input_ids"].shape[0] == 1:
-            return forward(params, frozen, batch)[1]
-        rows = {k: v for k, v in batch.items() if k != "rng"}
-
-        def one(row):  # one packed row as a batch of 1, as a single-row validation step sees it
-            b = {k: v[None] for k, v in row.items()}
-            if "rng" in batch:
-                b["rng"] = batch["rng"]
-            return forward(params, frozen, b)[1]
-
-        per_row = jax.vmap(one)(rows)  # {name: (sum [N], total [N])}
-        real = jnp.any(batch["document_ids"] >= 0, axis=-1).astype(jnp.float32)  # [N]
-        return jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32) * real), per_row)
-
-    if shardings is None:
-        train_j, eval_j = jax.jit(_train), jax.jit(_eval)
-    else:
-        s = shardings
-        train_j = jax.jit(_train, in_shardings=(s.params, s.opt_state, s.batch, s.frozen),
-                          out_shardings=(s.params, s.opt_state, s.replicated), donate_argnums=(0, 1))
-        eval_j = jax.jit(_eval, in_shardings=(s.params, s.batch, s.frozen), out_shardings=s.replicated)
-    return StepFns(lambda p, o, b: train_j(p, o, b, frozen), lambda p, b: eval_j(p, b, frozen), traces)
-
-
-def device_batch(b: dict, rng=None) -> dict:
-    out = {k: jnp.asarray(v) for k, v in b.items()}
-    if rng is not None:
-        out["rng"] = rng
-    return out
 
 
 # ----------------------------------------------------------------------------- run

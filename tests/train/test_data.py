@@ -125,7 +125,7 @@ def test_speculators_reads_our_cache(tiny_data):
 
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
-    from specjax.train.trainer import TrainData
+    from specjax.train.feed import TrainData
 
     hf = load_from_disk(str(tiny_data))
     assert hf.num_rows == 24 and set(hf.column_names) == {"input_ids", "loss_mask", "seq_len"}

@@ -12,7 +12,8 @@ import pytest
 
 from specjax.train.config import load_recipe
 from specjax.train.errors import RecipeError, ResumeError, TrainError
-from specjax.train.trainer import TRACE_COUNT, Run
+from specjax.train.step import TRACE_COUNT
+from specjax.train.trainer import Run
 from tests.train.conftest import TINY_AUX
 
 REPO = Path(__file__).resolve().parents[2]

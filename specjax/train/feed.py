@@ -1,0 +1,109 @@
+"""Feeding the trainer: the rows of a data directory with their cached hidden states, packed per
+(seed, epoch, rows per step) in speculators' multipack order, and a background thread that
+builds the next packed rows while the device computes."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from specjax.train.errors import HiddenStateCacheError
+from specjax.train.hidden_states import hs_path, read_hs
+from specjax.train.packing import PREPROCESS, collate, multipack_batches
+
+
+class TrainData:
+    """Rows of a data directory with their cached hidden states, packed per (seed, epoch)."""
+
+    def __init__(self, data_dir: str | os.PathLike, rows, indices, *, algo: str, num_aux: int, hidden_size: int,
+                 total_seq_len: int, seed: int, replicas: int = 1):
+        self.dir = Path(data_dir)
+        self.rows = rows
+        self.indices = np.asarray(list(indices), np.int64)
+        self.algo = algo
+        self.num_aux = num_aux
+        self.hidden = hidden_size
+        self.T = total_seq_len
+        self.seed = seed
+        self.replicas = int(replicas)
+        self._epochs: dict[int, list[np.ndarray]] = {}
+        self._steps: dict[int, list[tuple[np.ndarray, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        if epoch not in self._epochs:
+            lens = [len(self.rows.input_ids[i]) for i in self.indices]
+            self._epochs[epoch] = [self.indices[b] for b in
+                                   multipack_batches(lens, self.T, seed=self.seed, epoch=epoch)]
+        return self._epochs[epoch]
+
+    def step_batches(self, epoch: int) -> list[tuple[np.ndarray, ...]]:
+        """One tuple of ``replicas`` row-index arrays per step: element ``r`` is the packed row
+        speculators' multipack sampler gives rank ``r`` of ``replicas`` (``(b,)`` for one replica:
+        :meth:`epoch_batches`)."""
+        if epoch not in self._steps:
+            if self.replicas == 1:
+                self._steps[epoch] = [(b,) for b in self.epoch_batches(epoch)]
+            else:
+                lens = [len(self.rows.input_ids[i]) for i in self.indices]
+                per_rank = [multipack_batches(lens, self.T, seed=self.seed, epoch=epoch, num_replicas=self.replicas,
+                                              rank=r) for r in range(self.replicas)]
+                self._steps[epoch] = [tuple(self.indices[b] for b in step) for step in zip(*per_rank)]
+        return self._steps[epoch]
+
+    def tokens(self, idx: np.ndarray) -> int:
+        """Non-padding positions of the packed row of ``idx`` (from the row lengths alone)."""
+        shift = 1 if PREPROCESS[self.algo] is not None else 0
+        return min(self.T, sum(max(len(self.rows.input_ids[int(i)]) - shift, 0) for i in idx))
+
+    def sample(self, i: int) -> dict:
+        p = hs_path(self.dir, i)
+        rec = read_hs(p)
+        hs = rec.hidden_states
+        ids = self.rows.input_ids[i]
+        if hs.shape[0] != len(ids) or not np.array_equal(rec.token_ids, ids):
+            raise HiddenStateCacheError(f"token ids of hs_{i} do not match dataset row {i}", path=str(p),
+                                        key="token_ids")
+        T = hs.shape[0]
+        return {"hidden_states": hs[:, :-1].reshape(T, -1), "input_ids": np.asarray(ids, np.int64),
+                "verifier_last_hidden_states": hs[:, -1], "loss_mask": np.asarray(self.rows.loss_mask[i], np.int64),
+                "position_ids": np.arange(T, dtype=np.int64)}
+
+    def batch(self, idx: np.ndarray) -> dict:
+        return collate([self.sample(int(i)) for i in idx], self.T, hidden_size=self.hidden, num_aux=self.num_aux,
+                       preprocess=PREPROCESS[self.algo])
+
+
+class Prefetch:
+    """Builds the next packed rows on a background thread (numpy releases the GIL while copying)."""
+
+    def __init__(self, build: Callable[[Any], Any], items: list[tuple[int, Any]], depth: int = 2):
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.err = None
+
+        def run():
+            try:
+                for key, idx in items:
+                    self.q.put((key, build(idx)))
+            except BaseException as e:  # surfaced in the consumer
+                self.err = e
+            self.q.put(None)
+
+        self.t = threading.Thread(target=run, daemon=True)
+        self.t.start()
+
+    def __iter__(self):
+        while True:
+            item = self.q.get()
+            if item is None:
+                if self.err is not None:
+                    raise self.err
+                return
+            yield item

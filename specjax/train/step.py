@@ -1,0 +1,114 @@
+"""The jitted train and eval steps: ``(params, opt_state, batch) -> (params, opt_state, metrics)``
+and ``(params, batch) -> metrics`` for EAGLE-3 (training-time test) and DFlash, on one device or
+with explicit shardings on a mesh (:mod:`specjax.train.sharded`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from specjax.train.config import TrainConfig
+from specjax.train.fast_eagle3 import ttt_forward
+from specjax.train.losses import parse_loss_spec
+from specjax.train.objectives import dflash_objective, eagle3_objective, select_anchors
+
+TRACE_COUNT = {"train_step": 0, "eval_step": 0}  # every trace in this process (per run: StepFns.traces)
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+@dataclass
+class StepFns:
+    train_step: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics)
+    eval_step: Callable  # (params, batch) -> metrics
+    traces: dict  # {"train_step": n, "eval_step": n}: compiles of these two functions
+
+
+def _key(rng):
+    """A batch's ``rng``: a typed key, or raw key data ``uint32 [2]`` (what a mesh batch carries)."""
+    return jax.random.wrap_key_data(rng) if rng.dtype == jnp.uint32 else rng
+
+
+def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> StepFns:
+    """The jitted train / eval steps. ``shardings`` (:class:`specjax.train.sharded.StepShardings`)
+    makes both ``jax.jit`` with explicit in/out shardings (params, optimizer state and frozen
+    tensors as given, the batch on ``("data", "fsdp")``, metrics replicated) and donates the
+    params and optimizer state; ``None`` = one device.
+
+    A batch is ``[N, T, ...]``: the loss (and so the gradient) is the mean over the ``N`` rows of
+    each row's loss. The eval step sums every metric over the rows of a batch that hold tokens
+    (empty filler rows count nothing)."""
+    algo = cfg.speculator_type
+    cdt = jnp.bfloat16 if cfg.trainer.compute_dtype == "bfloat16" else jnp.float32
+    spec = parse_loss_spec(cfg.loss.loss_fn)
+    S = cfg.loss.ttt_steps
+    f = cfg.dflash
+
+    def forward(params, frozen, batch):
+        model = nnx.merge(graphdef, _cast(params, cdt), _cast(frozen, cdt))
+        if "rng" in batch:
+            batch = dict(batch, rng=_key(batch["rng"]))
+        hs = batch["hidden_states"].astype(cdt)
+        y = batch["verifier_last_hidden_states"].astype(cdt)
+        if algo == "eagle3":
+            out = ttt_forward(model, hs, batch["input_ids"], batch["document_ids"], batch["position_ids"], y,
+                              ttt_steps=S)
+            return eagle3_objective(out.logits, out.targets, batch["loss_mask"], loss_spec=spec,
+                                    ttt_step_loss_decay=cfg.loss.ttt_step_loss_decay)
+        anchors, valid = select_anchors(batch["rng"], batch["loss_mask"], cfg.data.max_anchors, f.block_size)
+        out = model(hs, batch["input_ids"], batch["loss_mask"], y, batch["document_ids"], batch["position_ids"],
+                    anchor_positions=anchors, anchor_valid=valid)
+        return dflash_objective(out.logits, out.targets, out.loss_mask, block_size=f.block_size, loss_spec=spec,
+                                per_position_loss_weight=f.per_position_loss_weight, gamma=f.dflash_decay_gamma,
+                                dpace_alpha=f.dpace_alpha, sample_from_anchor=f.sample_from_anchor)
+
+    traces = {"train_step": 0, "eval_step": 0}
+
+    def _train(params, opt_state, batch, frozen):
+        TRACE_COUNT["train_step"] += 1
+        traces["train_step"] += 1
+        (loss, metrics), grads = jax.value_and_grad(forward, has_aux=True)(params, frozen, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = dict(metrics, grad_norm=(optax.tree.norm(grads), jnp.ones((), jnp.float32)))
+        return params, opt_state, metrics
+
+    def _eval(params, batch, frozen):
+        TRACE_COUNT["eval_step"] += 1
+        traces["eval_step"] += 1
+        if batch["input_ids"].shape[0] == 1:
+            return forward(params, frozen, batch)[1]
+        rows = {k: v for k, v in batch.items() if k != "rng"}
+
+        def one(row):  # one packed row as a batch of 1, as a single-row validation step sees it
+            b = {k: v[None] for k, v in row.items()}
+            if "rng" in batch:
+                b["rng"] = batch["rng"]
+            return forward(params, frozen, b)[1]
+
+        per_row = jax.vmap(one)(rows)  # {name: (sum [N], total [N])}
+        real = jnp.any(batch["document_ids"] >= 0, axis=-1).astype(jnp.float32)  # [N]
+        return jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32) * real), per_row)
+
+    if shardings is None:
+        train_j, eval_j = jax.jit(_train), jax.jit(_eval)
+    else:
+        s = shardings
+        train_j = jax.jit(_train, in_shardings=(s.params, s.opt_state, s.batch, s.frozen),
+                          out_shardings=(s.params, s.opt_state, s.replicated), donate_argnums=(0, 1))
+        eval_j = jax.jit(_eval, in_shardings=(s.params, s.batch, s.frozen), out_shardings=s.replicated)
+    return StepFns(lambda p, o, b: train_j(p, o, b, frozen), lambda p, b: eval_j(p, b, frozen), traces)
+
+
+def device_batch(b: dict, rng=None) -> dict:
+    out = {k: jnp.asarray(v) for k, v in b.items()}
+    if rng is not None:
+        out["rng"] = rng
+    return out
