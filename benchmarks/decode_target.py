@@ -47,7 +47,6 @@ def main():
     ap.add_argument("--batches", default="1,8")
     args = ap.parse_args()
 
-    import numpy as np
     import torch
 
     torch.set_num_threads(1)

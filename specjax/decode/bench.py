@@ -40,10 +40,8 @@ from flax import nnx
 
 from specjax.decode.generate import bucket, generate_ids
 from specjax.decode.sampling import GREEDY, SamplingParams
-from specjax.decode.speculative import (
-    SpecDraft, SpecStats, alpha_from_tau, place_pair, predicted_speedup, resolve_k, speculative_generate_ids,
-    split_pair,
-)
+from specjax.decode.spec_stats import SpecStats, alpha_from_tau, predicted_speedup
+from specjax.decode.speculative import SpecDraft, place_pair, resolve_k, speculative_generate_ids, split_pair
 from specjax.models.drafts.common import greedy
 from specjax.models.target import KVCache
 

@@ -24,9 +24,9 @@ from flax import nnx
 
 from specjax.decode import speculative as spec
 from specjax.decode.generate import generate_ids
+from specjax.decode.spec_stats import SpecStats, expected_tokens, predicted_speedup
 from specjax.decode.speculative import (
-    DraftTargetMismatchError, SpecStats, check_pair, load_spec_draft, predicted_speedup, resolve_k,
-    speculative_generate_ids,
+    DraftTargetMismatchError, check_pair, load_spec_draft, resolve_k, speculative_generate_ids,
 )
 from specjax.models.hf import load_hf_dir
 from specjax.models.target import KVCache
@@ -227,6 +227,6 @@ def test_stats_and_formula():
     assert st.tau == pytest.approx((2 * 1 + 1 * 2 + 1 * 3 + 4 * 4) / 8)
     assert st.per_position == pytest.approx([6 / 8, 5 / 8, 4 / 8])
     assert st.conditional == pytest.approx([6 / 8, 5 / 6, 4 / 5])
-    assert spec.expected_tokens(0.8, 4) == pytest.approx(3.3616)  # the seed's example
-    assert spec.expected_tokens(st.alpha, 3) == pytest.approx(st.tau, rel=1e-6)
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)  # the seed's example
+    assert expected_tokens(st.alpha, 3) == pytest.approx(st.tau, rel=1e-6)
     assert predicted_speedup(3.36, 4, 0.05) == pytest.approx(3.36 / 1.2)
