@@ -22,32 +22,20 @@ starts). The script, on a tiny random target (tests/sharding/tiny.py) and pretok
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.sharding.eight import run_eight
+
 TIMEOUT_S = 300
 AUX = [0, 1, 2]  # the tiny target has 3 layers; the cache holds [0, 1, 2, 3]
 
 
 def test_trainer_on_meshes(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    for k in [k for k in env if k.startswith(("SPECJAX_COORDINATOR", "SPECJAX_NUM_PROCESSES", "SPECJAX_PROCESS_ID",
-                                              "SPECJAX_MESH", "JAX_COORDINATOR"))]:
-        env.pop(k)
-    try:
-        r = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.sharding.test_train_mesh", str(tmp_path)],
-                           cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"the 8-device trainer script did not finish in {TIMEOUT_S}s:\n"
-                             f"{(e.stdout or '')[-4000:]}") from e
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, "8-device trainer script failed:\n" + out[-8000:]
-    done = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    out = run_eight(["-W", "ignore", "-m", "tests.sharding.test_train_mesh", str(tmp_path)],
+                    what="the 8-device trainer script", timeout_s=TIMEOUT_S)
+    done = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert done, out[-4000:]
     res = json.loads(done[-1][len("RESULT "):])
     assert res["devices"] == 8
