@@ -84,6 +84,8 @@ class DataArgs(_Section):
     train_data_ratio: float = Field(0.9, gt=0.0, le=1.0)
     hidden_states_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     max_anchors: int = Field(512, ge=1)
+    prompt_loss: bool = Field(False, description="also supervise the prompt positions of training rows (KL to the "
+                              "target's own distribution there); validation keeps the assistant-only mask")
 
 
 class LossArgs(_Section):

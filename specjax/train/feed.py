@@ -21,7 +21,7 @@ class TrainData:
     """Rows of a data directory with their cached hidden states, packed per (seed, epoch)."""
 
     def __init__(self, data_dir: str | os.PathLike, rows, indices, *, algo: str, num_aux: int, hidden_size: int,
-                 total_seq_len: int, seed: int, replicas: int = 1):
+                 total_seq_len: int, seed: int, replicas: int = 1, prompt_loss: bool = False):
         self.dir = Path(data_dir)
         self.rows = rows
         self.indices = np.asarray(list(indices), np.int64)
@@ -31,6 +31,7 @@ class TrainData:
         self.T = total_seq_len
         self.seed = seed
         self.replicas = int(replicas)
+        self.prompt_loss = bool(prompt_loss)  # every position supervised (the targets are the target's logits)
         self._epochs: dict[int, list[np.ndarray]] = {}
         self._steps: dict[int, list[tuple[np.ndarray, ...]]] = {}
 
@@ -72,8 +73,9 @@ class TrainData:
             raise HiddenStateCacheError(f"token ids of hs_{i} do not match dataset row {i}", path=str(p),
                                         key="token_ids")
         T = hs.shape[0]
+        mask = np.ones(T, np.int64) if self.prompt_loss else np.asarray(self.rows.loss_mask[i], np.int64)
         return {"hidden_states": hs[:, :-1].reshape(T, -1), "input_ids": np.asarray(ids, np.int64),
-                "verifier_last_hidden_states": hs[:, -1], "loss_mask": np.asarray(self.rows.loss_mask[i], np.int64),
+                "verifier_last_hidden_states": hs[:, -1], "loss_mask": mask,
                 "position_ids": np.arange(T, dtype=np.int64)}
 
     def batch(self, idx: np.ndarray) -> dict:

@@ -32,11 +32,22 @@ def _lsm(x):
     return jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
 
 
+def first_argmax(x, axis: int = -1):
+    """``jnp.argmax`` (the first maximum on ties) as two plain reductions, a max and a min over
+    the indices that reach it: XLA's CPU backend runs argmax's paired-value reduction about 5x
+    slower. Rows holding NaN give ``x.shape[axis]`` (no index) instead of the NaN's index."""
+    m = jnp.max(x, axis=axis, keepdims=True)
+    n = x.shape[axis]
+    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim + axis if axis < 0 else axis)
+    return jnp.min(jnp.where(x == m, idx, n), axis=axis)
+
+
 def kl_div(logits, targets):
     logq = _lsm(logits)
-    p = jax.nn.softmax(jax.lax.stop_gradient(targets).astype(jnp.float32), axis=-1)
+    logp = _lsm(jax.lax.stop_gradient(targets))
+    p = jnp.exp(logp)
     # torch.kl_div(input=logq, target=p) = p * (log p - logq), xlogy(0, 0) = 0
-    return jnp.sum(jnp.where(p > 0, p * (jnp.log(jnp.where(p > 0, p, 1.0)) - logq), 0.0), axis=-1)
+    return jnp.sum(jnp.where(p > 0, p * (logp - logq), 0.0), axis=-1)
 
 
 def rkl(logits, targets):
@@ -55,7 +66,7 @@ def jsd(logits, targets):
 
 
 def ce(logits, targets):
-    tid = jnp.argmax(jax.lax.stop_gradient(targets), axis=-1)
+    tid = first_argmax(jax.lax.stop_gradient(targets))
     logq = _lsm(logits)
     return -jnp.take_along_axis(logq, tid[..., None], axis=-1)[..., 0]
 

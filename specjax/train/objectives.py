@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.train.losses import compound_loss, dflash_decay, dpace_weights, loss_function, LOSSES
+from specjax.train.losses import compound_loss, dflash_decay, dpace_weights, first_argmax, loss_function, LOSSES
 
 
 def eagle3_objective(logits, targets, loss_mask, *, loss_spec=(("kl_div", 1.0),), ttt_step_loss_decay: float = 1.0):
@@ -28,7 +28,7 @@ def eagle3_objective(logits, targets, loss_mask, *, loss_spec=(("kl_div", 1.0),)
     S, B, T = logits.shape[:3]
     lm_full = loss_mask
     prev = loss_mask.astype(bool)
-    tgt_ids = jnp.argmax(targets, axis=-1)
+    tgt_ids = first_argmax(targets)
     loss = jnp.zeros((), jnp.float32)
     metrics = {}
     for s in range(S):
@@ -40,7 +40,7 @@ def eagle3_objective(logits, targets, loss_mask, *, loss_spec=(("kl_div", 1.0),)
         l_s, terms = compound_loss(lg, tg, m, loss_spec, decay=(lambda el, w=w: jnp.full_like(el, w)) if w != 1.0
                                    else None)
         loss = loss + l_s
-        pred = jnp.argmax(lg, axis=-1)
+        pred = first_argmax(lg)
         correct = pred == tgt_ids[:, s:]
         cond_total = pc.sum().astype(jnp.float32)
         both = pc & correct
@@ -73,8 +73,8 @@ def dflash_objective(logits, targets, loss_mask, *, block_size: int, loss_spec=(
         def decay(el):
             return w
     loss, terms = compound_loss(logits, targets, loss_mask, loss_spec, decay)
-    pred = jnp.argmax(logits, axis=-1)
-    tid = jnp.argmax(targets, axis=-1)
+    pred = first_argmax(logits)
+    tid = first_argmax(targets)
     mb = loss_mask.astype(bool)
     correct = (pred == tid) & mb
     one = jnp.ones((), jnp.float32)

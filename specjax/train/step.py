@@ -104,7 +104,10 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> Ste
         train_j = jax.jit(_train, in_shardings=(s.params, s.opt_state, s.batch, s.frozen),
                           out_shardings=(s.params, s.opt_state, s.replicated), donate_argnums=(0, 1))
         eval_j = jax.jit(_eval, in_shardings=(s.params, s.batch, s.frozen), out_shardings=s.replicated)
-    return StepFns(lambda p, o, b: train_j(p, o, b, frozen), lambda p, b: eval_j(p, b, frozen), traces)
+    # The frozen tensors (the verifier's embedding and head) never change: cast them to the compute
+    # dtype once here, not inside every step (a [V, H] convert per step otherwise).
+    frozen_c = _cast(frozen, cdt)
+    return StepFns(lambda p, o, b: train_j(p, o, b, frozen_c), lambda p, b: eval_j(p, b, frozen_c), traces)
 
 
 def device_batch(b: dict, rng=None) -> dict:

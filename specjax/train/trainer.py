@@ -158,7 +158,8 @@ class Run:
                                f"{cfg.data.train_data_ratio})", path=str(ddir), key="train_data_ratio")
         mk = dict(algo=algo, num_aux=len(self.aux), hidden_size=tc.hidden_size, total_seq_len=cfg.data.total_seq_len,
                   seed=cfg.seed)
-        self.train_data = TrainData(ddir, rows, tr, replicas=self.replicas, **mk)
+        self.train_data = TrainData(ddir, rows, tr, replicas=self.replicas,
+                                    prompt_loss=cfg.data.prompt_loss, **mk)
         self.val_data = TrainData(ddir, rows, va, **mk) if len(va) else None  # packed as on one device
         # ---- vocabulary
         V = tc.vocab_size

@@ -155,3 +155,42 @@ def test_blocks_have_hf_param_names():
     c, s = rope_cos_sin(jnp.arange(4)[None], RopeConfig(head_dim=8))
     with pytest.raises(TypeError):  # q/k/v expect 32-wide input
         layer(x, c, s)
+
+
+def test_bf16_linear_matches_torch_bf16_linear_forward_and_grads():
+    """The CPU bf16 Linear path (f32 accumulation, custom backward in the fast dot form) gives
+    PyTorch's bf16 ``F.linear`` numbers: forward and both gradients within bf16 rounding; ``dense``
+    layers use it for bf16 and it is really taken (the jaxpr holds the custom VJP), float32 not."""
+    from flax import nnx
+
+    from specjax.models.layers import dense, linear_dot_general
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 37, 64)).astype(np.float32)
+    w = (0.1 * rng.normal(size=(64, 96))).astype(np.float32)
+    c = rng.normal(size=(2, 37, 96)).astype(np.float32)
+    dims = (((2,), (0,)), ((), ()))
+
+    def fwd(x, k):
+        return linear_dot_general(x, k, dims)
+
+    def loss(x, k):
+        return jnp.sum(fwd(x, k).astype(jnp.float32) * c)
+
+    xb, kb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    assert "custom_vjp" in str(jax.make_jaxpr(loss)(xb, kb))
+    assert "custom_vjp" not in str(jax.make_jaxpr(loss)(jnp.asarray(x), jnp.asarray(w)))
+    v, (gx, gk) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(xb, kb)
+
+    tx = torch.tensor(x, dtype=torch.bfloat16, requires_grad=True)
+    tw = torch.tensor(w.T.copy(), dtype=torch.bfloat16, requires_grad=True)
+    out = torch.nn.functional.linear(tx, tw)
+    tv = (out.float() * torch.tensor(c)).sum()
+    tv.backward()
+    assert fwd(xb, kb).dtype == jnp.bfloat16
+    assert rel_err(np.asarray(fwd(xb, kb).astype(jnp.float32)), out.detach().float().numpy()) < 1e-2
+    assert abs(float(v) - float(tv)) <= 1e-2 * abs(float(tv)) + 1e-2
+    assert rel_err(np.asarray(gx.astype(jnp.float32)), tx.grad.float().numpy()) < 2e-2
+    assert rel_err(np.asarray(gk.astype(jnp.float32)), tw.grad.float().numpy().T) < 2e-2
+    lin = dense(64, 96, bias=False, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    assert lin.dot_general is linear_dot_general

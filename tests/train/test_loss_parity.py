@@ -164,3 +164,15 @@ def test_select_anchors_contract():
     a, v = select_anchors(jax.random.key(1), lm, 8, 3)
     a, v = np.asarray(a)[0], np.asarray(v)[0]
     assert sorted(a[v]) == [1, 2, 4, 5, 6] and (a[~v] == 0).all() and v[:5].all()
+
+
+def test_first_argmax_is_argmax_with_first_index_on_ties():
+    from specjax.train.losses import first_argmax
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 5, size=(3, 7, 50)).astype(np.float32)  # many ties
+    x[0, 0] = 4.0  # a row that is all ties
+    for axis in (-1, 1, 0):
+        np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x), axis=axis)), np.argmax(x, axis=axis))
+    xb = jnp.asarray(rng.standard_normal((4, 300)), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(first_argmax(xb)), np.asarray(jnp.argmax(xb, axis=-1)))

@@ -159,3 +159,16 @@ def test_dflash_trains(tmp_path, tiny_data, tiny_target, tiny_target_dir):
 
     ref = SpeculatorModel.from_pretrained(str(tmp_path / "d" / "last"))
     assert type(ref).__name__ == "DFlashDraftModel" and ref.block_size == 4
+
+
+def test_prompt_loss_supervises_every_training_position_only(tmp_path, tiny_data, tiny_target):
+    """``data.prompt_loss``: training rows are supervised at every position (prompt included);
+    validation rows keep the dataset's assistant-only mask, so validation numbers stay comparable."""
+    plain = Run(recipe(tiny_data, tmp_path / "a"), target=tiny_target, progress=False)
+    run = Run(recipe(tiny_data, tmp_path / "b", "data.prompt_loss=true"), target=tiny_target, progress=False)
+    i = int(run.train_data.indices[0])
+    assert run.train_data.sample(i)["loss_mask"].tolist() == [1] * len(run.train_data.rows.input_ids[i])
+    masked = plain.train_data.sample(i)["loss_mask"]
+    assert masked.sum() < len(masked)  # the dataset row has unsupervised (prompt) positions
+    j = int(run.val_data.indices[0])
+    np.testing.assert_array_equal(run.val_data.sample(j)["loss_mask"], plain.val_data.sample(j)["loss_mask"])
