@@ -39,6 +39,9 @@ Run (after ``bash benchmarks/vllm_setup.sh``)::
 
 Prints one JSON line and writes it to ``runs/vllm-compare.json`` (``--out``). Timing numbers are
 only meaningful on a quiet machine: the report records ``uptime``'s load averages before and after.
+On a shared 2-core machine (load 3-5) vLLM's tok/s swung up to 3-4x between identical runs (its
+OpenMP threads are pinned and spin-wait, so any other process on those cores stalls them; ``--vllm-bind
+nobind`` was no better) while specjax's moved a few percent: use a quiet window and ``--repeats 3``.
 """
 
 from __future__ import annotations
