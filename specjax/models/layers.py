@@ -17,71 +17,12 @@ from flax import nnx
 from specjax.models.rope import apply_rope
 
 INIT_STD = 0.02  # HF initializer_range default; speculators inits Linear/Embedding N(0, 0.02)
-_F32 = jnp.float32
-
-
-def _row_major_t(x2):
-    """``x2.T`` [n, m] as a physically transposed copy: XLA would otherwise fold the transpose into
-    the consuming dot, whose transposed-operand form is the slow one (below)."""
-    m, n = x2.shape
-    return jnp.reshape(jax.lax.optimization_barrier(jnp.reshape(x2.T, (-1,))), (n, m))
-
-
-def _contract_last(a, b, b_dim: int):
-    """``a`` [..., K] . ``b`` (K on axis ``b_dim``) with float32 accumulation and output."""
-    return jax.lax.dot_general(a, b, (((a.ndim - 1,), (b_dim,)), ((), ())), preferred_element_type=_F32)
-
-
-@jax.custom_vjp
-def _bf16_linear(x, w):
-    """``x`` [..., in] @ ``w`` [in, out] for bfloat16 operands on the CPU: float32 accumulation,
-    rounded to bfloat16 (the same numbers as XLA's bf16 dot). XLA's CPU backend has a fast bf16
-    kernel only for a dot with f32 output whose lhs contracts its last axis over row-major data;
-    the plain bf16 dot and the transposed dots autodiff builds run about 2-3x slower (measured:
-    [1024,576]x[576,8192] forward 54 -> 32 ms, forward + both gradients 175 -> ~90 ms, one thread).
-    The backward pass keeps to that form: dx contracts ``ct``'s last axis with ``w``'s last, dw
-    contracts a row-major ``x.T`` with ``ct``."""
-    return _contract_last(x, w, 0).astype(x.dtype)
-
-
-def _bf16_linear_fwd(x, w):
-    return _bf16_linear(x, w), (x, w)
-
-
-def _bf16_linear_bwd(res, ct):
-    x, w = res
-    ct = ct.astype(x.dtype)
-    dx = _contract_last(ct, w, 1).astype(x.dtype)
-    dw = _contract_last(_row_major_t(x.reshape(-1, x.shape[-1])), ct.reshape(-1, ct.shape[-1]), 0)
-    return dx, dw.astype(w.dtype)
-
-
-_bf16_linear.defvjp(_bf16_linear_fwd, _bf16_linear_bwd)
-
-
-def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
-    """``nnx.Linear``'s dot: :func:`_bf16_linear` for bf16 x bf16 on one CPU device (the case it was
-    measured for; set ``SPECJAX_CPU_BF16_DOT=0`` to turn it off), ``lax.dot_general`` otherwise."""
-    ((lc, rc), (lb, rb)) = dimension_numbers
-    if (lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16 and preferred_element_type is None
-            and precision is None and tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and not lb and not rb
-            and rhs.ndim == 2 and kw.get("out_sharding") is None and _cpu_bf16_dot()):
-        return _bf16_linear(lhs, rhs)
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, **kw)
-
-
-def _cpu_bf16_dot() -> bool:
-    import os
-
-    return (os.environ.get("SPECJAX_CPU_BF16_DOT", "1") != "0" and jax.default_backend() == "cpu"
-            and jax.device_count() == 1)
 
 
 def dense(in_features: int, out_features: int, *, bias: bool, rngs: nnx.Rngs, param_dtype=jnp.float32,
           dtype=None) -> nnx.Linear:
     return nnx.Linear(in_features, out_features, use_bias=bias, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
-                      kernel_init=nnx.initializers.normal(INIT_STD), dot_general=linear_dot_general)
+                      kernel_init=nnx.initializers.normal(INIT_STD))
 
 
 class RMSNorm(nnx.Module):
