@@ -3,8 +3,8 @@ float32), batch 1 and batch 8, 128 new tokens, specjax (one jitted while_loop) v
 ``generate()`` (PyTorch CPU, the same GGUF through transformers' own loader), side by side in
 one run. Prints one JSON line with tokens/s of both and their ratio (goal: specjax >= 1.5x).
 
-Threads are pinned to one on both sides (XLA: no multi-threaded Eigen, one intra-op thread;
-torch.set_num_threads(1)) for steadier numbers on a shared machine. EOS is disabled so every
+Both sides run on one core: the process is pinned to it (``one_core.py``; XLA's CPU runtime
+otherwise keeps a thread pool of its own) and torch.set_num_threads(1). EOS is disabled so every
 sequence produces exactly 128 tokens; prompts in a batch have equal length (no padding on
 either side). Compile time is the first call minus a warm call of the same shapes.
 
@@ -13,12 +13,9 @@ either side). Compile time is the first call minus a warm call of the same shape
 
 from __future__ import annotations
 
-import os
+import one_core  # noqa: E402  (benchmarks/ is the script directory)
 
-THREADS = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-for _k, _v in THREADS.items():
-    os.environ[_k] = _v
+THREADS = one_core.pin()
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bridge_load import build  # noqa: E402  (writes the checkpoint once)
 
-THREADS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+THREADS = "--xla_cpu_multi_thread_eigen=false"
 
 RUN = """
 import resource, sys, time

@@ -20,8 +20,7 @@ It also gives a per-round breakdown (``breakdown``): the micro-timed verify forw
 round at the loop's shapes and their shares, the measured loop time per round, and the machine's
 load average before and after (the numbers are only comparable at similar load).
 
-Threads are pinned to one (XLA: no multi-threaded Eigen, one intra-op thread) for steadier
-numbers on a shared machine; both loops run interleaved per batch, compile time excluded, and the
+The process is pinned to one core (``one_core.py``) for steadier numbers on a shared machine; both loops run interleaved per batch, compile time excluded, and the
 fastest of ``--repeats`` passes counts for each side.
 
     .venv/bin/python benchmarks/spec_decode.py [--draft DIR|self|self:M] [--k 3] [--batch-size 4]
@@ -38,10 +37,9 @@ from __future__ import annotations
 
 import os
 
-THREADS = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-for _k, _v in THREADS.items():
-    os.environ.setdefault(_k, _v)
+import one_core  # noqa: E402  (benchmarks/ is the script directory)
+
+THREADS = one_core.pin()
 
 import argparse  # noqa: E402
 import sys  # noqa: E402

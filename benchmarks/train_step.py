@@ -5,9 +5,10 @@ vocab 49152, one layer, 3 TTT steps, norm_before_fc + norm_output as the TrainCo
 from identical initial parameters on the same fixed packed row (random hidden states, several
 documents), with the same optimizer (AdamW, lr 1e-4, wd 0.01, grad clip 1.0) and bf16 compute
 over float32 master weights (speculators: ``torch.autocast("cpu", bfloat16)``, eager kl_div loss,
-sdpa attention; specjax: the jitted trainer step). One thread each (``torch.set_num_threads(1)``;
-XLA CPU without the multi-threaded Eigen pool). Seconds are CPU seconds of the process per step
-(wall seconds are reported too; on a shared machine they include waiting). Prints one JSON line:
+sdpa attention; specjax: the jitted trainer step). One core each: the process is pinned to one
+core (``one_core.py``; XLA's CPU runtime otherwise runs fused dots on a pool of its own) and
+``torch.set_num_threads(1)``. Seconds are CPU seconds of the process per step (wall seconds are
+reported too; on a shared machine they include waiting). Prints one JSON line:
 
     {"specjax_s_per_step", "speculators_s_per_step", "ratio" (specjax / speculators), ...}
 
@@ -17,12 +18,11 @@ XLA CPU without the multi-threaded Eigen pool). Seconds are CPU seconds of the p
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+import one_core  # noqa: E402  (benchmarks/ is the script directory)
+
+THREADS = one_core.pin()
 
 import json  # noqa: E402
 import tempfile  # noqa: E402
@@ -162,7 +162,7 @@ def main():
     t_jax, c_jax = (time.perf_counter() - t) / args.steps, (time.process_time() - c) / args.steps
     print(json.dumps({
         "benchmark": "eagle3_ttt_train_step", "tokens": args.tokens, "draft_vocab": Vd, "verifier_vocab": V,
-        "hidden": H, "ttt_steps": 3, "optimizer": "adamw", "threads": 1, "compute": f"speculators bf16 autocast, specjax {args.compute}; f32 master",
+        "hidden": H, "ttt_steps": 3, "optimizer": "adamw", "threads": 1, "pinned": THREADS, "compute": f"speculators bf16 autocast, specjax {args.compute}; f32 master",
         "specjax_s_per_step": round(c_jax, 4), "speculators_s_per_step": round(c_torch, 4),
         "ratio": round(c_jax / c_torch, 3), "wall_s_per_step": {"specjax": round(t_jax, 4), "speculators": round(t_torch, 4)},
         "timing": "CPU seconds of this process per step (robust to other load; one thread each)", "compiles": TRACE_COUNT["train_step"],
