@@ -155,4 +155,3 @@ def test_blocks_have_hf_param_names():
     c, s = rope_cos_sin(jnp.arange(4)[None], RopeConfig(head_dim=8))
     with pytest.raises(TypeError):  # q/k/v expect 32-wide input
         layer(x, c, s)
-
