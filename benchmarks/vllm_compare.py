@@ -256,12 +256,9 @@ def vllm_worker(cfg: dict) -> dict:
 
 
 def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """Length of the shared leading run of two token lists. (specjax.train.render has the same
+    helper, but this process runs in .venv-vllm, which cannot import specjax: no jax there.)"""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def compare_outputs(a: list, b: list) -> dict:
