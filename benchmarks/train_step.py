@@ -101,7 +101,7 @@ def main():
     _, model = init_draft(doc, target, seed=0, t2d=t2d, d2t=d2t)
     batch = make_batch(args.tokens, H, V)
 
-    # ---------------- speculators (PyTorch, one thread)
+    # ---------------- speculators (PyTorch, one thread on the pinned core)
     import speculators.models  # noqa: F401
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
@@ -139,7 +139,7 @@ def main():
     tl = [torch_step() for _ in range(args.steps)]
     t_torch, c_torch = (time.perf_counter() - t) / args.steps, (time.process_time() - c) / args.steps
 
-    # ---------------- specjax (JAX, one thread)
+    # ---------------- specjax (JAX, on the pinned core)
     rcfg = load_recipe(None, ["optimizer.optimizer=adamw", "optimizer.lr=1e-4", "scheduler.scheduler_type=none",
                               f"trainer.compute_dtype={args.compute}"])
     graphdef, params, frozen = nnx.split(model, nnx.All(nnx.Param, trainable_filter), ...)
@@ -165,7 +165,7 @@ def main():
         "hidden": H, "ttt_steps": 3, "optimizer": "adamw", "threads": 1, "pinned": THREADS, "compute": f"speculators bf16 autocast, specjax {args.compute}; f32 master",
         "specjax_s_per_step": round(c_jax, 4), "speculators_s_per_step": round(c_torch, 4),
         "ratio": round(c_jax / c_torch, 3), "wall_s_per_step": {"specjax": round(t_jax, 4), "speculators": round(t_torch, 4)},
-        "timing": "CPU seconds of this process per step (robust to other load; one thread each)", "compiles": TRACE_COUNT["train_step"],
+        "timing": "CPU seconds of this process per step (robust to other load; one core each)", "compiles": TRACE_COUNT["train_step"],
         "first_loss": {"specjax": round(jl[0], 5), "speculators": round(tl[0], 5)},
     }))
 
