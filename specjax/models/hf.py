@@ -61,6 +61,8 @@ def load_hf_dir(directory: str | os.PathLike, *, dtype=None, place=None) -> Caus
         raise CheckpointNotFoundError("no config.json in the target directory", path=str(d))
     config = TargetConfig.from_file(d / "config.json")
     store = open_tensors(d)
-    flat = {name: store.array(name) for name in store.names}
+    # a native MTP head (``mtp.*``, e.g. Qwen3-Next / Qwen3.5) is not part of the LM body: skipped, as
+    # transformers skips it; ``speculator_type: mtp`` training reads it (specjax.train.mtp_init)
+    flat = {name: store.array(name) for name in store.names if not name.startswith("mtp.")}
     tree = layout.unflatten(flat, layout.TABLES["hf_lm"], where=str(d))
     return model_from_tree(config, tree, dtype=dtype, where=str(d), place=place)

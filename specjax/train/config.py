@@ -8,21 +8,25 @@ speculators' flag names, so ``--set lr=3e-4`` works (a unique field name) as wel
 ``--set optimizer.lr=3e-4``. Unknown keys and wrong types are errors naming the key and the
 accepted values.
 
-Derived defaults (when left unset / null):
+Derived defaults (when left unset / null), as the 0.9.0 wheel's ``_resolve_derived_defaults``
+and ``DFlashDraftModel._build_base_config_kwargs``:
 
-==========================  ===========  ===========
-field                       eagle3       dflash
-==========================  ===========  ===========
-draft.draft_arch            llama        qwen3
-draft.norm_before_fc        True         False
-draft.norm_output           True         False
-draft.num_layers            1            5
-loss.loss_fn                kl_div       ce
-dflash.per_position_...     -            dpace
-dflash.block_size           -            16
-dflash.sample_from_anchor   -            False
-optimizer.muon_lr           = lr         = lr
-==========================  ===========  ===========
+==========================  ========  ========  ===============  ========  ==================
+field                       eagle3    dflash    dspark           peagle    mtp
+==========================  ========  ========  ===============  ========  ==================
+draft.draft_arch            llama     qwen3     qwen3            qwen3     (verifier's layer)
+draft.norm_before_fc        True      False     False            False     -
+draft.norm_output           True      False     False            False     -
+draft.num_layers            1         5         5 (wheel)        1         (one MTP layer)
+loss.loss_fn                kl_div    ce        kl_div           kl_div    (own hard-label CE)
+dflash.per_position_...     -         dpace     fixed-exp-decay  -         -
+dflash.block_size           -         16        8                -         -
+dflash.sample_from_anchor   -         False     True             -         -
+optimizer.muon_lr           = lr      = lr      = lr             = lr      = lr
+==========================  ========  ========  ===============  ========  ==================
+
+The ``dspark``, ``peagle`` and ``mtp`` sections only matter to their algorithm and only enter
+the resume identity of a run of that algorithm (so eagle3/dflash runs keep their identity).
 """
 
 from __future__ import annotations
@@ -135,15 +139,48 @@ class DFlashArgs(_Section):
     dpace_alpha: float = 0.5
 
 
+class DSparkArgs(_Section):
+    """DSpark heads (speculators' ``DSparkArgs``): Markov logit bias and confidence head."""
+
+    markov_rank: int = Field(256, ge=0, description="low-rank dim of the Markov logit-bias head (0 disables it)")
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    confidence_head_alpha: float = Field(1.0, ge=0.0, description="weight of the confidence-head BCE term")
+
+
+class PEagleArgs(_Section):
+    """P-EAGLE COD sampling (speculators' ``PEagleArgs``)."""
+
+    num_depths: int = Field(8, ge=1, description="parallel prediction depths (= speculative_tokens)")
+    down_sample_ratio: float = Field(0.7, gt=0.0, le=1.0)
+    down_sample_ratio_min: float = Field(0.2, ge=0.0, le=1.0)
+
+
+class MTPArgs(_Section):
+    """MTP (speculators' ``MTPArgs``) plus where the MTP layer's first weights come from."""
+
+    num_speculative_steps: int = Field(3, ge=1)
+    step_weight_beta: float = Field(0.6, gt=0.0)
+    init: Literal["native", "last_layer", "random"] = Field(
+        "native", description="native: the target checkpoint's own mtp.* tensors (speculators' only way); "
+                              "last_layer: the target's last decoder layer mirrored into the MTP layer; "
+                              "random: the draft's own initialisation")
+
+
 SECTIONS = {"draft": DraftArgs, "data": DataArgs, "loss": LossArgs, "optimizer": OptimizerArgs,
-            "scheduler": SchedulerArgs, "trainer": TrainerArgs, "dflash": DFlashArgs}
+            "scheduler": SchedulerArgs, "trainer": TrainerArgs, "dflash": DFlashArgs, "dspark": DSparkArgs,
+            "peagle": PEagleArgs, "mtp": MTPArgs}
+# sections that only one algorithm reads: part of a run's resume identity only for that algorithm
+ALGORITHM_SECTIONS = {"dspark": "dspark", "peagle": "peagle", "mtp": "mtp"}
+ALGORITHMS = ("eagle3", "dflash", "peagle", "dspark", "mtp")
 # keys that only change outputs / logging: a resumed run may change them freely
 RESUME_SAFE = frozenset({"trainer.log_every", "trainer.keep_checkpoints", "trainer.checkpoint_every",
                          "trainer.max_minutes", "trainer.output_dir", "data.prepare", "target"})
 
 
 class TrainConfig(_Section):
-    speculator_type: Literal["eagle3", "dflash"] = "eagle3"
+    speculator_type: Literal["eagle3", "dflash", "peagle", "dspark", "mtp"] = "eagle3"
     seed: int = 42
     target: str = Field("default", description="'default' (embedded SmolLM2), a .gguf, an HF dir or cached repo id")
     verifier_name_or_path: str | None = Field(None, description="written into the exported config (default: target)")
@@ -154,11 +191,15 @@ class TrainConfig(_Section):
     scheduler: SchedulerArgs = Field(default_factory=SchedulerArgs)
     trainer: TrainerArgs = Field(default_factory=TrainerArgs)
     dflash: DFlashArgs = Field(default_factory=DFlashArgs)
+    dspark: DSparkArgs = Field(default_factory=DSparkArgs)
+    peagle: PEagleArgs = Field(default_factory=PEagleArgs)
+    mtp: MTPArgs = Field(default_factory=MTPArgs)
 
     @model_validator(mode="after")
     def _derived(self):
         eagle = self.speculator_type == "eagle3"
         dfl = self.speculator_type == "dflash"
+        spark = self.speculator_type == "dspark"
         d = self.draft
         if d.draft_arch is None:
             d.draft_arch = "llama" if eagle else "qwen3"
@@ -169,7 +210,7 @@ class TrainConfig(_Section):
         if d.sliding_window_non_causal is None:
             d.sliding_window_non_causal = False
         if d.num_layers is None:
-            d.num_layers = 5 if dfl else 1
+            d.num_layers = 5 if (dfl or spark) else 1
         if self.optimizer.muon_lr is None:
             self.optimizer.muon_lr = self.optimizer.lr
         f = self.dflash
@@ -178,13 +219,13 @@ class TrainConfig(_Section):
         if f.block_size is None:
             f.block_size = 16 if dfl else 8
         if f.sample_from_anchor is None:
-            f.sample_from_anchor = False
+            f.sample_from_anchor = spark
         if self.loss.loss_fn is None:
             self.loss.loss_fn = "ce" if dfl else "kl_div"
         parse_loss_spec(self.loss.loss_fn)
         if d.norm_before_fc and d.fc_norm:
             raise ValueError("draft.norm_before_fc and draft.fc_norm are mutually exclusive")
-        if f.per_position_loss_weight == "dpace" and dfl:
+        if f.per_position_loss_weight == "dpace" and (dfl or spark):
             if self.loss.loss_fn != "ce":
                 raise ValueError("dflash.per_position_loss_weight=dpace requires loss.loss_fn=ce")
             if not 0.0 < f.dpace_alpha <= 1.0:
@@ -193,12 +234,20 @@ class TrainConfig(_Section):
                                          or max(d.full_attention_indices) >= d.num_layers):
             raise ValueError(f"draft.full_attention_indices {d.full_attention_indices} must be layer ids in "
                              f"[0, {d.num_layers})")
+        k = self.dspark
+        if spark and k.enable_confidence_head and k.confidence_head_with_markov and k.markov_rank == 0:
+            raise ValueError("dspark.confidence_head_with_markov=true requires dspark.markov_rank > 0 (found 0); set "
+                             "dspark.confidence_head_with_markov=false or a positive markov_rank")
         return self
 
     # -- identity for resume
     def resume_key(self) -> dict:
         """The settings a resumed run must share (everything but RESUME_SAFE keys)."""
-        flat = flatten(self.model_dump(mode="json"))
+        doc = self.model_dump(mode="json")
+        for sec, algo in ALGORITHM_SECTIONS.items():
+            if self.speculator_type != algo:
+                doc.pop(sec, None)
+        flat = flatten(doc)
         return {k: v for k, v in flat.items() if not any(k == s or k.startswith(s + ".") for s in RESUME_SAFE)}
 
     def fingerprint(self) -> str:

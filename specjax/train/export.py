@@ -7,8 +7,12 @@ target (``partial_rotary_factor`` dropped), ``num_layers`` and ``draft_arch`` fr
 every layer ``sliding_attention`` (window 2048) except ``full_attention_indices``.
 
 Saved tensors follow the 0.9.0 wheel's ``save_pretrained``: ``verifier_lm_head`` and
-``verifier_norm`` are never saved; DFlash also drops ``embed_tokens`` always and ``lm_head`` with a
-full vocabulary. Floats are written in ``export_dtype`` (bf16, as speculators' training
+``verifier_norm`` are never saved; DFlash / DSpark also drop ``embed_tokens`` always and
+``lm_head`` with a full vocabulary; MTP drops ``embed_tokens`` and ``lm_head``; P-EAGLE keeps its
+trained ``embed_tokens`` (and ``mask_hidden``).
+
+MTP's ``transformer_layer_config`` is the verifier's own config (:func:`mtp_layer_config`), as
+speculators' ``MTPSpeculatorConfig`` holds it. Floats are written in ``export_dtype`` (bf16, as speculators' training
 checkpoints), ``t2d`` bool, ``d2t`` int64.
 """
 
@@ -27,8 +31,10 @@ from bridge.layout import path_to_flat, to_torch
 
 SPECULATORS_VERSION = "0.9.0"
 TRANSFORMERS_VERSION = "5.19.0"
-ARCH = {"eagle3": "Eagle3DraftModel", "dflash": "DFlashDraftModel"}
-CONFIG_CLASS = {"eagle3": "Eagle3SpeculatorConfig", "dflash": "DFlashSpeculatorConfig"}
+ARCH = {"eagle3": "Eagle3DraftModel", "dflash": "DFlashDraftModel", "peagle": "PEagleDraftModel",
+        "dspark": "DSparkDraftModel", "mtp": "MTPDraftModel"}
+CONFIG_CLASS = {"eagle3": "Eagle3SpeculatorConfig", "dflash": "DFlashSpeculatorConfig",
+                "peagle": "PEagleSpeculatorConfig", "dspark": "DSparkSpeculatorConfig", "mtp": "MTPSpeculatorConfig"}
 KNOWN_VERIFIERS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
@@ -100,6 +106,23 @@ def draft_layer_config(target_cfg, *, draft_arch: str, num_layers: int, sliding_
     return d
 
 
+def mtp_layer_config(target_cfg) -> dict:
+    """MTP's ``transformer_layer_config``: the verifier's own text config (rope parameters in
+    transformers-5 form, as speculators saves it)."""
+    hf = dict(target_cfg.to_hf_dict())
+    if "text_config" in hf and isinstance(hf["text_config"], dict):
+        hf = dict(hf["text_config"])
+    for k in ("torch_dtype", "transformers_version", "_name_or_path", "auto_map", "quantization_config"):
+        hf.pop(k, None)
+    if "rope_parameters" not in hf:
+        hf["rope_parameters"] = _rope_parameters(hf)
+        hf.pop("rope_theta", None)
+        hf.pop("rope_scaling", None)
+    hf["tie_word_embeddings"] = False
+    hf.setdefault("model_type", "qwen3")
+    return hf
+
+
 def speculators_config(algo: str, *, layer: dict, draft_vocab_size: int, aux_layer_ids, speculative_tokens: int,
                        verifier: str, verifier_arch: str, **fields) -> dict:
     """A complete speculators config.json object (every key explicit)."""
@@ -115,17 +138,30 @@ def speculators_config(algo: str, *, layer: dict, draft_vocab_size: int, aux_lay
         "speculators_model_type": algo, "speculators_version": SPECULATORS_VERSION, "target_hidden_size": None,
         "tie_word_embeddings": False, "transformer_layer_config": layer, "transformers_version": TRANSFORMERS_VERSION,
     }
-    if algo == "eagle3":
+    if algo in ("eagle3", "peagle"):
         doc.update(eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
-                   embed_requires_grad=bool(fields.get("embed_requires_grad", False)),
+                   embed_requires_grad=bool(fields.get("embed_requires_grad", algo == "peagle")),
                    fc_norm=bool(fields.get("fc_norm", False)), norm_before_fc=bool(fields.get("norm_before_fc", False)),
                    norm_before_residual=bool(fields.get("norm_before_residual", True)),
                    norm_output=bool(fields.get("norm_output", False)))
-    else:
+        if algo == "peagle":
+            doc["mask_token_id"] = int(fields["mask_token_id"])
+    elif algo in ("dflash", "dspark"):
         doc.update(aux_hidden_state_layer_ids=list(aux_layer_ids), block_size=int(fields["block_size"]),
                    mask_token_id=int(fields["mask_token_id"]),
-                   sample_from_anchor=bool(fields.get("sample_from_anchor", False)),
+                   sample_from_anchor=bool(fields.get("sample_from_anchor", algo == "dspark")),
                    sliding_window_non_causal=bool(fields.get("sliding_window_non_causal", False)))
+        if algo == "dspark":
+            doc.update(markov_rank=int(fields.get("markov_rank", 256)),
+                       markov_head_type=str(fields.get("markov_head_type", "vanilla")),
+                       enable_confidence_head=bool(fields.get("enable_confidence_head", True)),
+                       confidence_head_with_markov=bool(fields.get("confidence_head_with_markov", True)))
+    elif algo == "mtp":  # full vocabulary, no aux layers, one MTP layer (MTPSpeculatorConfig)
+        for k in ("draft_vocab_size", "target_hidden_size"):
+            doc.pop(k)
+        doc["num_nextn_predict_layers"] = 1
+    else:
+        raise ValueError(f"unknown algorithm {algo!r}")
     return doc
 
 
@@ -143,10 +179,11 @@ def model_flat(model) -> dict[str, np.ndarray]:
     return out
 
 
-def init_draft(config_doc: dict, target, *, seed: int, t2d=None, d2t=None):
+def init_draft(config_doc: dict, target, *, seed: int, t2d=None, d2t=None, flat_hook=None):
     """A freshly initialised draft (float32 master weights) with the verifier-owned tensors
     (embed_tokens, lm_head, verifier_lm_head, verifier_norm) filled from ``target`` (a specjax
-    ``CausalLM``), as speculators' ``from_training_args`` does."""
+    ``CausalLM``), as speculators' ``from_training_args`` does. ``flat_hook(flat) -> flat``
+    replaces initial tensors (PyTorch layout) before the module is built (MTP's ``mtp.init``)."""
     import bridge
     from specjax.models.drafts.load import build_draft, module_from_flat
     from specjax.models.drafts.verifier_weights import VerifierSource, fill_verifier_weights
@@ -155,15 +192,18 @@ def init_draft(config_doc: dict, target, *, seed: int, t2d=None, d2t=None):
     model = build_draft(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.float32)
     flat = model_flat(model)
     for n in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"):
-        flat[n] = np.full(flat[n].shape, np.nan, np.float32)  # speculators' NaN sentinels
+        if n in flat:
+            flat[n] = np.full(flat[n].shape, np.nan, np.float32)  # speculators' NaN sentinels
     if cfg.vocab_pruned:
         flat["t2d"], flat["d2t"] = np.asarray(t2d, bool), np.asarray(d2t, np.int64)
     src = VerifierSource.of(target)
     flat = fill_verifier_weights(cfg.speculators_model_type, flat, hidden_size=cfg.layer.hidden_size,
                                  vocab_size=cfg.layer.vocab_size, draft_vocab_size=cfg.draft_vocab_size, source=src,
                                  dtype=np.float32)
+    if flat_hook is not None:
+        flat = flat_hook(flat)
     return cfg, module_from_flat(cfg, flat, dtype=jnp.float32, verifier_norm_unit_offset=src.gemma_style_norm
-                                 and cfg.speculators_model_type == "dflash")
+                                 and cfg.speculators_model_type in ("dflash", "dspark"))
 
 
 def saved_tensors(algo: str, flat: dict, *, full_vocab: bool) -> dict:
@@ -172,6 +212,8 @@ def saved_tensors(algo: str, flat: dict, *, full_vocab: bool) -> dict:
         drop.add("embed_tokens.weight")
         if full_vocab:
             drop.add("lm_head.weight")
+    if algo == "mtp":
+        drop |= {"embed_tokens.weight", "lm_head.weight"}
     return {k: v for k, v in flat.items() if k not in drop}
 
 
@@ -182,7 +224,8 @@ def export_draft(out: str | os.PathLike, model, config_doc: dict, *, export_dtyp
 
     algo = config_doc["speculators_model_type"]
     flat = model_flat(model)
-    full = config_doc["draft_vocab_size"] == config_doc["transformer_layer_config"]["vocab_size"]
+    full = config_doc.get("draft_vocab_size", config_doc["transformer_layer_config"]["vocab_size"]) == \
+        config_doc["transformer_layer_config"]["vocab_size"]
     flat = saved_tensors(algo, flat, full_vocab=full)
     dt = np.dtype(ml_dtypes.bfloat16) if export_dtype == "bfloat16" else np.dtype(export_dtype)
     conv = {}

@@ -12,6 +12,18 @@ at ``s`` / positions still correct before ``s``.
 DFlash (``speculators.models.dflash.metrics``): slot ``k = index % block_size``; fixed-exp-decay
 or D-PACE weights; ``position_k_acc``, ``full_acc`` and ``eal`` (per-block leading run of correct
 valid slots + 1).
+
+P-EAGLE (``speculators.models.peagle.metrics``): one compound loss over all COD elements, no
+depth decay; ``full_acc`` and ``position_d_acc`` by depth.
+
+DSpark (``speculators.models.dspark.metrics``): the DFlash loss and metrics on the Markov-corrected
+logits, plus ``alpha * BCE(confidence, stopgrad(1 - TV))`` with fixed-exp-decay weights and
+denominator ``sum(m) + 1e-8``; ``accept_rate``, ``accept_len`` (per valid block ``1 + sum_k
+prod_{i<=k} alpha_i m_i``) and the confidence calibration metrics.
+
+MTP (``speculators.models.mtp.core``): hard-label CE per step, ``w_k * sum CE / max(#valid, 1)``,
+``w_k = beta^k / sum_j beta^j``; ``loss_step_k`` (weighted) and ``acc_step_k`` (specjax's addition:
+argmax accuracy against the label, per step).
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.train.losses import compound_loss, dflash_decay, dpace_weights, first_argmax, loss_function, LOSSES
+from specjax.train.losses import LOSSES, compound_loss, dflash_decay, dpace_weights, first_argmax, loss_function, tv
 
 
 def eagle3_objective(logits, targets, loss_mask, *, loss_spec=(("kl_div", 1.0),), ttt_step_loss_decay: float = 1.0):
@@ -96,6 +108,97 @@ def dflash_objective(logits, targets, loss_mask, *, block_size: int, loss_spec=(
     return loss, metrics
 
 
+def peagle_objective(logits, targets, loss_mask, depth, *, num_depths: int, loss_spec=(("kl_div", 1.0),)):
+    """logits/targets [B, N, Vd] over the COD elements, loss_mask [B, N] (``loss_mask[orig]``,
+    zero on padding elements), depth int [B, N]."""
+    loss, terms = compound_loss(logits, targets, loss_mask, loss_spec)
+    correct = (first_argmax(logits) == first_argmax(targets)) & loss_mask.astype(bool)
+    d = jnp.clip(depth, 0, num_depths - 1).reshape(-1)
+    cpp = jnp.zeros(num_depths).at[d].add(correct.reshape(-1).astype(jnp.float32))
+    tpp = jnp.zeros(num_depths).at[d].add(loss_mask.astype(bool).reshape(-1).astype(jnp.float32))
+    one = jnp.ones((), jnp.float32)
+    metrics = {"loss": (jax.lax.stop_gradient(loss), one), "full_acc": (cpp.sum(), tpp.sum())}
+    for name, v in terms.items():
+        metrics[name] = (v, one)
+    for k in range(num_depths):
+        metrics[f"position_{k}_acc"] = (cpp[k], tpp[k])
+    return loss, metrics
+
+
+def _bce_with_logits(x, y):
+    """torch ``binary_cross_entropy_with_logits(x, y, reduction='none')``."""
+    return jnp.maximum(x, 0.0) - x * y + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def dspark_objective(logits, targets, confidence, loss_mask, *, block_size: int, loss_spec=(("kl_div", 1.0),),
+                     per_position_loss_weight: str = "fixed-exp-decay", gamma: float = 4.0, dpace_alpha: float = 0.5,
+                     sample_from_anchor: bool = True, confidence_head_alpha: float = 1.0):
+    """logits (Markov-corrected) / targets [B, N*Bk, Vd], confidence [B, N*Bk] logits or None,
+    loss_mask [B, N*Bk] (aligned, anchor-valid masked)."""
+    loss, metrics = dflash_objective(logits, targets, loss_mask, block_size=block_size, loss_spec=loss_spec,
+                                     per_position_loss_weight=per_position_loss_weight, gamma=gamma,
+                                     dpace_alpha=dpace_alpha, sample_from_anchor=sample_from_anchor)
+    B, Q = loss_mask.shape
+    N = Q // block_size
+    start = 0 if sample_from_anchor else 1
+    m = loss_mask.astype(jnp.float32)
+    accept = jax.lax.stop_gradient(1.0 - tv(logits, targets))  # [B, Q]
+    draft_mask = m.reshape(B, N, block_size)[..., start:]
+    accept_prefix = jnp.cumprod(accept.reshape(B, N, block_size)[..., start:] * draft_mask, axis=-1)
+    row_total = jnp.maximum(m.sum(-1), 1.0)  # per packed row, as each rank clamps its own
+    if confidence is not None:
+        c = confidence.astype(jnp.float32)
+        bce = _bce_with_logits(c, accept)
+        pos = jnp.broadcast_to(jnp.arange(Q) % block_size, (B, Q))
+        w = dflash_decay(pos, gamma, sample_from_anchor)  # D-PACE wants token CE: BCE stays on fixed decay
+        conf_loss = jnp.mean(jnp.sum(bce * m * w, -1) / (m.sum(-1) + 1e-8))
+        loss = loss + confidence_head_alpha * conf_loss
+        prob = jax.lax.stop_gradient(jax.nn.sigmoid(c))
+        conf_prefix = jnp.cumprod(prob.reshape(B, N, block_size)[..., start:] * draft_mask, axis=-1)
+        one = jnp.ones((), jnp.float32)
+        metrics["confidence_loss"] = (jax.lax.stop_gradient(conf_loss), one)
+        metrics["confidence_abs_error"] = ((jnp.abs(prob - accept) * m).sum(), row_total.sum())
+        metrics["confidence_pred_mean"] = ((prob * m).sum(), row_total.sum())
+        metrics["confidence_cumprod_bias"] = (((conf_prefix - accept_prefix) * draft_mask).sum(),
+                                              jnp.maximum(draft_mask.sum((1, 2)), 1.0).sum())
+    metrics["loss"] = (jax.lax.stop_gradient(loss), jnp.ones((), jnp.float32))
+    metrics["accept_rate"] = ((accept * m).sum(), row_total.sum())
+    per_block = accept_prefix.sum(-1) + 1.0
+    block_valid = (draft_mask.sum(-1) > 0).astype(jnp.float32)
+    metrics["accept_len"] = ((per_block * block_valid).sum(), jnp.maximum(block_valid.sum(-1), 1.0).sum())
+    return loss, metrics
+
+
+def mtp_step_weights(beta: float, num_steps: int) -> tuple[float, ...]:
+    """speculators' ``compute_step_weights``: ``beta^k / sum_j beta^j``."""
+    raw = [beta ** k for k in range(num_steps)]
+    total = sum(raw)
+    return tuple(w / total for w in raw)
+
+
+def mtp_objective(logits, labels, *, step_weights, ignore_index: int = -100):
+    """logits [K, B, Tv, V], labels [K, B, Tv] (``ignore_index`` where not supervised);
+    ``step_weights`` one per configured step (the first K are used when a short row caps K)."""
+    K = logits.shape[0]
+    one = jnp.ones((), jnp.float32)
+    loss = jnp.zeros((), jnp.float32)
+    metrics = {}
+    for k in range(K):
+        lab = labels[k]
+        ok = lab != ignore_index
+        lsm = jax.nn.log_softmax(logits[k].astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(lsm, jnp.where(ok, lab, 0)[..., None], axis=-1)[..., 0]
+        nll = jnp.where(ok, nll, 0.0)
+        count = ok.sum(-1).astype(jnp.float32)
+        step = step_weights[k] * jnp.mean(nll.sum(-1) / jnp.maximum(count, 1.0))
+        loss = loss + step
+        metrics[f"loss_step_{k}"] = (jax.lax.stop_gradient(step), one)
+        correct = (first_argmax(logits[k]) == lab) & ok
+        metrics[f"acc_step_{k}"] = (correct.sum().astype(jnp.float32), count.sum())
+    metrics["loss"] = (jax.lax.stop_gradient(loss), one)
+    return loss, metrics
+
+
 def select_anchors(key, loss_mask, max_anchors: int, block_size: int):
     """speculators' ``select_anchors`` with JAX randomness: a uniformly random subset of the
     positions with ``loss_mask == 1`` outside the last ``block_size`` positions of the row,
@@ -133,5 +236,5 @@ def accept_estimate(metrics: dict, steps: int) -> float:
     return 1.0 + sum(metrics.get(f"full_acc_{s}", 0.0) for s in range(steps))
 
 
-__all__ = ["eagle3_objective", "dflash_objective", "select_anchors", "normalize_metrics", "accept_estimate",
-           "loss_function", "LOSSES"]
+__all__ = ["eagle3_objective", "dflash_objective", "peagle_objective", "dspark_objective", "mtp_objective",
+           "mtp_step_weights", "select_anchors", "normalize_metrics", "accept_estimate", "loss_function", "LOSSES"]

@@ -71,6 +71,15 @@ def trainable_filter(path, _value) -> bool:
     return not any(str(p) in FROZEN for p in path)
 
 
+def trainable_filter_for(algo: str):
+    """Which params an algorithm trains: P-EAGLE also trains ``embed_tokens`` (its config's
+    ``embed_requires_grad`` is always True; EAGLE-3 looks its embedding up under no_grad)."""
+    if algo != "peagle":
+        return trainable_filter
+    frozen = tuple(f for f in FROZEN if f != "embed_tokens")
+    return lambda path, _value: not any(str(p) in frozen for p in path)
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -167,6 +176,8 @@ class Run:
         if Vd > V:
             raise TrainError(f"draft.draft_vocab_size {Vd} is larger than the target vocabulary ({V})",
                              key="draft.draft_vocab_size")
+        if algo == "mtp":
+            self._check_mtp_target(Vd, V)
         self.t2d = self.d2t = None
         if Vd != V:
             from specjax.train.vocab import (
@@ -186,12 +197,25 @@ class Run:
         from specjax.train.export import draft_layer_config, speculators_config, verifier_name
 
         d = cfg.draft
-        layer = draft_layer_config(tc, draft_arch=d.draft_arch, num_layers=d.num_layers, sliding_window=d.sliding_window,
-                                   full_attention_indices=d.full_attention_indices)
-        if algo == "eagle3":
+        if algo == "mtp":
+            from specjax.train.export import mtp_layer_config
+
+            layer = mtp_layer_config(tc)
+        else:
+            layer = draft_layer_config(tc, draft_arch=d.draft_arch, num_layers=d.num_layers,
+                                       sliding_window=d.sliding_window, full_attention_indices=d.full_attention_indices)
+        if algo in ("eagle3", "peagle"):
+            # P-EAGLE always trains its embedding (speculators' from_training_args never passes the flag)
             extra = dict(norm_before_residual=d.norm_before_residual, norm_before_fc=d.norm_before_fc,
-                         fc_norm=d.fc_norm, norm_output=d.norm_output, embed_requires_grad=d.embed_requires_grad)
+                         fc_norm=d.fc_norm, norm_output=d.norm_output,
+                         embed_requires_grad=True if algo == "peagle" else d.embed_requires_grad)
             spec_tokens = cfg.loss.ttt_steps
+            if algo == "peagle":
+                extra["mask_token_id"] = d.mask_token_id if d.mask_token_id is not None else self._mask_token_id()
+                spec_tokens = cfg.peagle.num_depths
+        elif algo == "mtp":
+            extra = {}
+            spec_tokens = cfg.mtp.num_speculative_steps
         else:
             mask_id = d.mask_token_id
             if mask_id is None:
@@ -199,6 +223,11 @@ class Run:
             extra = dict(block_size=cfg.dflash.block_size, mask_token_id=mask_id,
                          sample_from_anchor=cfg.dflash.sample_from_anchor,
                          sliding_window_non_causal=d.sliding_window_non_causal)
+            if algo == "dspark":
+                k = cfg.dspark
+                extra.update(markov_rank=k.markov_rank, markov_head_type=k.markov_head_type,
+                             enable_confidence_head=k.enable_confidence_head,
+                             confidence_head_with_markov=k.confidence_head_with_markov)
             spec_tokens = cfg.dflash.block_size if cfg.dflash.sample_from_anchor else cfg.dflash.block_size - 1
         self.config_doc = speculators_config(algo, layer=layer, draft_vocab_size=Vd, aux_layer_ids=self.aux,
                                              speculative_tokens=spec_tokens,
@@ -221,6 +250,21 @@ class Run:
         self.warmup, self.sched_total = resolve_schedule_steps(total=sched_total,
                                                                warmup_steps=cfg.scheduler.scheduler_warmup_steps,
                                                                warmup_ratio=cfg.scheduler.scheduler_warmup_ratio)
+
+    def _check_mtp_target(self, Vd: int, V: int) -> None:
+        """MTP mirrors the target's own decoder layer over its full vocabulary (speculators 0.9.0:
+        ``mtp_model_classes``, ``Vocab reduction is not supported for MTP speculators``)."""
+        mt = self.target.config.to_hf_dict().get("model_type")
+        if mt != "qwen3":
+            raise TrainError(f"speculator_type mtp mirrors the target's own decoder layer, and this target's layers "
+                             f"(model_type {mt!r}) have no MTP layer to mirror: speculators 0.9.0 has MTP layers for "
+                             "qwen3, qwen3_next, qwen3_5_text and qwen3_5_moe_text, specjax for qwen3 (dense); "
+                             "train eagle3 / peagle / dflash / dspark for this target", path=str(self.target.source),
+                             key="speculator_type")
+        if Vd != V:
+            raise TrainError(f"draft.draft_vocab_size {Vd}: MTP predicts over the target's full vocabulary ({V}); "
+                             "leave draft.draft_vocab_size unset (speculators: vocab reduction is not supported for "
+                             "MTP)", key="draft.draft_vocab_size")
 
     def _mask_token_id(self) -> int:
         """speculators' ``resolve_mask_token_id`` without adding tokens: tokenizer mask -> pad/eos/unk."""
@@ -281,9 +325,15 @@ class Run:
         from specjax.train.export import init_draft
 
         cfg = self.cfg
+        hook = None
+        if cfg.speculator_type == "mtp":
+            from specjax.train.mtp_init import apply_mtp_init
+
+            hook = lambda flat: apply_mtp_init(flat, self.target, cfg.mtp.init)  # noqa: E731
         self.draft_cfg, model = init_draft(self.config_doc, self.target.model, seed=cfg.seed, t2d=self.t2d,
-                                           d2t=self.d2t)
-        graphdef, params, frozen = nnx.split(model, nnx.All(nnx.Param, trainable_filter), ...)
+                                           d2t=self.d2t, flat_hook=hook)
+        graphdef, params, frozen = nnx.split(model, nnx.All(nnx.Param, trainable_filter_for(cfg.speculator_type)),
+                                             ...)
         self.graphdef, self.frozen = graphdef, frozen
         o = cfg.optimizer
         self.tx, self.lr_fns = build_optimizer(
@@ -495,8 +545,14 @@ class Run:
                 if "accept_est" in rec:
                     post["acc0"] = f"{mh.get('full_acc_0', 0):.2f}"
                     post["tau~"] = f"{rec['accept_est']:.2f}"
+                elif "accept_len" in mh:
+                    post["accept_len"] = f"{mh['accept_len']:.2f}"
                 elif "eal" in mh:
                     post["eal"] = f"{mh['eal']:.2f}"
+                elif "full_acc" in mh:
+                    post["acc"] = f"{mh['full_acc']:.2f}"
+                elif "acc_step_0" in mh:
+                    post["acc0"] = f"{mh['acc_step_0']:.2f}"
                 post["tok/s"] = f"{rec['tok_per_s']:.0f}"
                 bar.set_postfix(post)
             bar.update(1)
