@@ -141,7 +141,8 @@ def test_recipe_errors(tmp_path):
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_shipped_recipes_validate(name):
     cfg = load_recipe(REPO / "configs" / name)
-    assert cfg.speculator_type in ("eagle3", "dflash")
+    assert cfg.speculator_type in ("eagle3", "dflash", "peagle", "dspark", "mtp")
+    assert name.split("-")[0] == cfg.speculator_type
 
 
 def test_dflash_trains(tmp_path, tiny_data, tiny_target, tiny_target_dir):
