@@ -14,7 +14,8 @@ Precision: float32 master weights; the step casts params and inputs to ``compute
 (bf16 by default, as speculators' autocast) and computes losses in float32.
 
 Exact resume: the data order is a function of (seed, epoch, rows per step) (speculators'
-multipack order), the step's randomness (DFlash anchors) is ``fold_in(key(seed), step)``, and
+multipack order), the step's randomness (DFlash / DSpark anchors, P-EAGLE COD elements) is
+``fold_in(key(seed), step)``, and
 params / optimizer state are restored bit for bit, so a resumed run ends at the parameters of an
 uninterrupted one.
 
