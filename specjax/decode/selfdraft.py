@@ -23,7 +23,7 @@ from flax import nnx
 
 from specjax.models.drafts.common import greedy, last_valid
 from specjax.models.drafts.eagle3 import Proposal
-from specjax.models.layers import attend, causal_mask
+from specjax.models.layers import attend_cache, causal_mask, write_cache
 from specjax.models.rope import apply_rope, rope_cos_sin
 from specjax.models.target import CausalLM, KVCache
 
@@ -63,23 +63,20 @@ class SelfDraft(nnx.Module):
 
     def forward(self, x, positions, cache: KVCache):
         """x [B, T, H] input embeddings at ``positions`` [B, T]; writes K/V at slot = position."""
-        B = x.shape[0]
         cos, sin = rope_cos_sin(positions, self.config.rope, dtype=x.dtype)
         kv_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
-        b_idx = jnp.arange(B)[:, None]
         masks, ks, vs = {}, [], []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            K = cache.k[i].at[b_idx, positions].set(k.astype(cache.k[i].dtype), mode="drop")
-            V = cache.v[i].at[b_idx, positions].set(v.astype(cache.v[i].dtype), mode="drop")
+            K, V = write_cache(cache.k[i], positions, k), write_cache(cache.v[i], positions, v)
             ks.append(K)
             vs.append(V)
             w = layer.sliding_window
             if w not in masks:
                 masks[w] = causal_mask(positions, kv_pos, sliding_window=w)
-            o = attend(q, K.astype(q.dtype), V.astype(q.dtype), masks[w], scale=attn.scaling)
+            o = attend_cache(q, K, V, masks[w], scale=attn.scaling)
             x = x + attn.output(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x, cache._replace(k=tuple(ks), v=tuple(vs))

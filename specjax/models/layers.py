@@ -60,6 +60,43 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, bias=None):
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
 
 
+def write_cache(buf, positions, rows):
+    """Heads-major KV cache write. buf [B, Hkv, S, D]; positions int [B, T]; rows [B, T, Hkv, D]
+    -> buf with row t of sequence b at slot ``positions[b, t]`` (slots past S are dropped)."""
+    B, H = buf.shape[:2]
+    b = jnp.arange(B)[:, None, None]
+    h = jnp.arange(H)[None, :, None]
+    return buf.at[b, h, positions[:, None, :]].set(jnp.swapaxes(rows, 1, 2).astype(buf.dtype), mode="drop")
+
+
+def attend_cache(q, k, v, mask=None, *, scale: float | None = None):
+    """GQA attention over a heads-major cache: the same result as :func:`attend` with the cache
+    in ``[B, S, Hkv, D]``, but both products are plain batched matmuls over ``(B, Hkv)`` on the
+    cache as it lies (``jax.nn.dot_product_attention`` wants keys seq-major and so copies the
+    whole cache into its layout at every call: 3-4x the cost of the attention itself on CPU).
+
+    q [B, T, Hq, D]; k, v [B, Hkv, S, D]; ``mask`` bool [B, 1, T, S] (True = attend) or None.
+    Logits and softmax in float32 (as ``dot_product_attention``); a query row with no allowed
+    key gets uniform weights (finite garbage, never NaN). Returns [B, T, Hq, D] in q's dtype.
+    """
+    B, T, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    qh = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)  # rows (g, t)
+    logits = jnp.einsum("bkqd,bksd->bkqs", qh, k.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+    if mask is not None:
+        if mask.ndim == 3:
+            mask = mask[:, None]
+        if mask.shape[1] != 1:
+            raise ValueError(f"attend_cache takes a mask shared by all heads ([B, 1, T, S]), got {mask.shape}")
+        m = jnp.broadcast_to(mask[:, :, None], (B, 1, G, T, S)).reshape(B, 1, G * T, S)
+        logits = jnp.where(m, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkqs,bksd->bkqd", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
+    return o.reshape(B, Hkv, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+
+
 class Attention(nnx.Module):
     """GQA attention projections ``q_proj/k_proj/v_proj/o_proj`` (+ optional per-head ``q_norm/k_norm``).
 

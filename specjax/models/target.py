@@ -14,8 +14,9 @@ Param tree (HF names through ``bridge.layout`` table ``hf_lm``)::
 
 KV cache (:class:`KVCache`, a pytree NamedTuple)::
 
-    k, v     tuple of num_hidden_layers arrays [batch, max_len, num_kv_heads, head_dim]
-             (post-rope keys; post-k_norm for Qwen3)
+    k, v     tuple of num_hidden_layers arrays [batch, num_kv_heads, max_len, head_dim]
+             (heads-major: attention reads it as it lies, see ``layers.attend_cache``;
+             post-rope keys; post-k_norm for Qwen3)
     lengths  int32 [batch]: tokens of each sequence that are valid in the cache
 
 Slot j of sequence b holds the token at position j (slot == position). A forward over the
@@ -41,18 +42,19 @@ from flax import nnx
 
 from specjax.models.config import TargetConfig
 from specjax.models.errors import ContextLengthError, TapIdError, UnknownArchitectureError
-from specjax.models.layers import INIT_STD, DecoderLayer, RMSNorm, attend, causal_mask, dense
+from specjax.models.layers import INIT_STD, DecoderLayer, RMSNorm, attend, attend_cache, causal_mask, dense, write_cache
 from specjax.models.rope import apply_rope, rope_cos_sin
 
 
 class KVCache(NamedTuple):
-    k: tuple  # num_layers x [batch, max_len, kv_heads, head_dim]
+    k: tuple  # num_layers x [batch, kv_heads, max_len, head_dim]
     v: tuple
     lengths: jax.Array  # int32 [batch]
+    heads_axis = 1  # (class constant, not a field) where kv_heads lies in k/v; DraftCache has 2
 
     @classmethod
     def init(cls, config: TargetConfig, batch: int, max_len: int, dtype=jnp.float32, lengths=None) -> "KVCache":
-        shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+        shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
         z = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
         zv = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
         ln = jnp.zeros((batch,), jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
@@ -60,7 +62,7 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     @property
     def batch(self) -> int:
@@ -164,7 +166,6 @@ class CausalLM(nnx.Module):
                 raise ContextLengthError(f"{T} new tokens do not fit a KV cache of max_len {S}", key="input_ids")
             kv_pos = jnp.arange(S, dtype=jnp.int32)
             q_pos, kv_valid = positions, None
-            b_idx = jnp.arange(B)[:, None]
         else:
             kv_pos = ar
             q_pos = jnp.broadcast_to(ar, (B, T))
@@ -185,12 +186,12 @@ class CausalLM(nnx.Module):
             q, k, v = attn.project(layer.input_layernorm(x))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if cache is not None:
-                k = cache.k[i].at[b_idx, positions].set(k.astype(cache.k[i].dtype), mode="drop")
-                v = cache.v[i].at[b_idx, positions].set(v.astype(cache.v[i].dtype), mode="drop")
+                k, v = write_cache(cache.k[i], positions, k), write_cache(cache.v[i], positions, v)
                 new_k.append(k)
                 new_v.append(v)
-                k, v = k.astype(q.dtype), v.astype(q.dtype)
-            o = attend(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)
+                o = attend_cache(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)
+            else:
+                o = attend(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)
             x = x + attn.output(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if n in taps:

@@ -61,8 +61,9 @@ def pad_batch(n: int, mesh) -> int:
 
 
 def kv_cache_sharding(mesh: Mesh, cache):
-    """Shardings for a KV cache (``specjax.models.target.KVCache`` or the drafts' ``DraftCache``:
-    ``k``/``v`` tuples of ``[batch, max_len, kv_heads, head_dim]`` and ``lengths [batch]``), as
+    """Shardings for a KV cache (``specjax.models.target.KVCache``: ``k``/``v`` tuples of
+    ``[batch, kv_heads, max_len, head_dim]``, or the drafts' ``DraftCache``: ``[batch, max_len,
+    kv_heads, head_dim]``; ``lengths [batch]``), as
     the same NamedTuple. ``cache`` may be concrete or abstract (``jax.eval_shape``).
 
     Batch over ``("data", "fsdp")``, heads over ``tensor``. A dimension that does not divide its
@@ -72,9 +73,12 @@ def kv_cache_sharding(mesh: Mesh, cache):
     nb = batch_divisor(mesh)
     nt = sizes.get("tensor", 1)
 
+    ha = getattr(cache, "heads_axis", 2)  # target KVCache: heads-major [B, H, S, D]; DraftCache [B, S, H, D]
+
     def kv(x):
-        b, _, h, _ = x.shape
-        return NamedSharding(mesh, P(BATCH if b % nb == 0 else None, None, "tensor" if h % nt == 0 else None, None))
+        spec = [BATCH if x.shape[0] % nb == 0 else None, None, None, None]
+        spec[ha] = "tensor" if x.shape[ha] % nt == 0 else None
+        return NamedSharding(mesh, P(*spec))
 
     def ln(x):
         return NamedSharding(mesh, P(BATCH if x.shape[0] % nb == 0 else None))

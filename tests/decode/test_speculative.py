@@ -111,13 +111,19 @@ def check_handoff_and_caches(target, sd, prompts, res):
     for b in range(B):
         for i in range(len(tc.k)):
             for got, want in ((tc.k[i], ft.k[i]), (tc.v[i], ft.v[i])):
-                np.testing.assert_allclose(np.asarray(got)[b, : n_t[b]], np.asarray(want)[off + b, : n_t[b]],
+                np.testing.assert_allclose(_seq_major(tc, got)[b, : n_t[b]], _seq_major(ft, want)[off + b, : n_t[b]],
                                            atol=2e-5)
         for i in range(len(dc.k)):
             for got, want in ((dc.k[i], fd.k[i]), (dc.v[i], fd.v[i])):
-                np.testing.assert_allclose(np.asarray(got)[b, : n_d[b]], np.asarray(want)[off + b, : n_d[b]],
+                np.testing.assert_allclose(_seq_major(dc, got)[b, : n_d[b]], _seq_major(fd, want)[off + b, : n_d[b]],
                                            atol=1e-4)
     return len(bb)
+
+
+def _seq_major(cache, x):
+    """One layer's K or V as [B, S, H, D] (the target's KVCache is heads-major, DraftCache is not)."""
+    x = np.asarray(x)
+    return np.swapaxes(x, 1, 2) if type(cache).heads_axis == 1 else x
 
 
 @pytest.mark.parametrize("algo", list(CASES))

@@ -123,9 +123,9 @@ def test_kv_cache_sharded_by_batch_and_heads_inside_the_loop(ckpts, ref):
 
     ids = shd.put(ref["ids"][:4], shd.batch_sharding(mesh, 2))
     cache = run(state, ids, shd.put(np.full((4,), 10, np.int32), shd.batch_sharding(mesh, 1)))
-    want = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))
+    want = NamedSharding(mesh, P(("data", "fsdp"), "tensor", None, None))  # heads-major [B, H, S, D]
     assert all(k.sharding.is_equivalent_to(want, 4) for k in cache.k + cache.v)
-    assert cache.k[0].addressable_shards[0].data.shape == (2, 16, tiny.NKV // 4, tiny.HD)
+    assert cache.k[0].addressable_shards[0].data.shape == (2, tiny.NKV // 4, 16, tiny.HD)
     assert cache.lengths.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"))), 1)
 
 

@@ -159,10 +159,14 @@ def test_both_kv_caches_sharded_by_batch_and_heads_inside_the_loop(ckpts, ref):
     ids[:, :8] = np.arange(3, 35).reshape(B, 8)
     tcache, dcache = run(state, shd.put(ids, shd.batch_sharding(mesh, 2)),
                          shd.put(np.full((B,), 8, np.int32), shd.batch_sharding(mesh, 1)))
-    want = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))
-    for cache in (tcache, dcache):
+    # the target's cache is heads-major [B, H, S, D], the draft's seq-major [B, S, H, D]
+    for cache, pspec, local in ((tcache, P(("data", "fsdp"), "tensor", None, None),
+                                 (B // 2, tiny.NKV // 4, tcache.k[0].shape[2], tiny.HD)),
+                                (dcache, P(("data", "fsdp"), None, "tensor", None),
+                                 (B // 2, dcache.k[0].shape[1], tiny.NKV // 4, tiny.HD))):
+        want = NamedSharding(mesh, pspec)
         assert all(x.sharding.is_equivalent_to(want, 4) for x in cache.k + cache.v)
-        assert cache.k[0].addressable_shards[0].data.shape == (B // 2, cache.k[0].shape[1], tiny.NKV // 4, tiny.HD)
+        assert cache.k[0].addressable_shards[0].data.shape == local
         assert cache.lengths.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"))), 1)
     assert len(dcache.k) == 1 and len(tcache.k) == 2
 

@@ -141,7 +141,7 @@ def test_batch_and_cache_shardings_on_an_abstract_cache():
     cache = jax.eval_shape(lambda: KVCache.init(cfg, 4, 16))
     mesh = jax.make_mesh((1, 1, 1), shd.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
     sh = shd.kv_cache_sharding(mesh, cache)
-    assert sh.k[0].spec == P(("data", "fsdp"), None, "tensor", None) and sh.lengths.spec == P(("data", "fsdp"))
+    assert sh.k[0].spec == P(("data", "fsdp"), "tensor", None, None) and sh.lengths.spec == P(("data", "fsdp"))
     assert shd.pad_batch(3, amesh((2, 2, 1))) == 4 and shd.pad_batch(8, amesh((2, 2, 1))) == 8
     with pytest.raises(shd.IndivisibleShardError, match=r"input_ids \[3, 5\].*multiple of data x fsdp = 2"):
         shd.batch_shardings({"input_ids": np.zeros((3, 5))}, amesh((2, 1, 1)))

@@ -34,6 +34,7 @@ class DraftCache(NamedTuple):
     k: tuple
     v: tuple
     lengths: jax.Array
+    heads_axis = 2  # (class constant, not a field) seq-major [B, S, H, D]; the target's KVCache is heads-major
 
     @classmethod
     def init(cls, spec: DecoderSpec, batch: int, max_len: int, dtype=jnp.float32, lengths=None,
