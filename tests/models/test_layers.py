@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from specjax.models.layers import RMSNorm, attend, causal_mask
+from specjax.models.layers import RMSNorm, attend, attend_cache, causal_mask, write_cache
 from specjax.models.rope import RopeConfig, RopeConfigError, apply_rope, rope_cos_sin
 from tests.models.conftest import rel_err
 
@@ -122,6 +122,37 @@ def test_attend_gqa_and_masks_match_naive_softmax():
     got3 = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask[:, 0]), scale=D**-0.5)
     gotH = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(np.repeat(mask, H, 1)), scale=D**-0.5)
     assert np.allclose(got3, got, atol=1e-6) and np.allclose(gotH, got, atol=1e-6)
+
+
+def test_heads_major_cache_write_and_attend_equal_seq_major():
+    """write_cache + attend_cache over [B, Hkv, S, D] == scatter + attend over [B, S, Hkv, D]: GQA,
+    ragged positions, dropped out-of-range slots, a query row with no visible key (uniform weights
+    in both), bf16 inputs; and a bad mask shape is refused."""
+    rng = np.random.default_rng(1)
+    B, T, S, H, K, D = 3, 4, 9, 6, 2, 8
+    cache = rng.normal(size=(B, S, K, D)).astype(np.float32)
+    rows = rng.normal(size=(B, T, K, D)).astype(np.float32)
+    pos = np.array([[0, 1, 2, 3], [5, 6, 7, 8], [7, 8, 9, 10]], np.int32)  # row 2: slots 9, 10 dropped
+    want_c = cache.copy()
+    for b in range(B):
+        for t in range(T):
+            if pos[b, t] < S:
+                want_c[b, pos[b, t]] = rows[b, t]
+    got_c = write_cache(jnp.asarray(cache.transpose(0, 2, 1, 3)), jnp.asarray(pos), jnp.asarray(rows))
+    np.testing.assert_array_equal(np.asarray(got_c).transpose(0, 2, 1, 3), want_c)
+    q = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    mask = np.array(causal_mask(jnp.asarray(pos), jnp.arange(S)))
+    mask[1, :, 2] = False  # a query that sees nothing
+    for dt, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)):
+        kc = jnp.asarray(want_c, dt)
+        want = attend(jnp.asarray(q, dt), kc, kc * 0.5, jnp.asarray(mask), scale=D**-0.5)
+        got = attend_cache(jnp.asarray(q, dt), kc.transpose(0, 2, 1, 3), (kc * 0.5).transpose(0, 2, 1, 3),
+                           jnp.asarray(mask), scale=D**-0.5)
+        assert got.dtype == dt and got.shape == (B, T, H, D)
+        assert rel_err(np.asarray(got, np.float32), np.asarray(want, np.float32)) < tol
+    with pytest.raises(ValueError, match=r"mask shared by all heads"):
+        attend_cache(jnp.asarray(q), kc.transpose(0, 2, 1, 3), kc.transpose(0, 2, 1, 3),
+                     jnp.asarray(np.repeat(mask, H, 1)))
 
 
 def test_causal_mask_sliding_window_rule():
