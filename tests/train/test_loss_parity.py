@@ -109,27 +109,36 @@ DFLASH_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(DFLASH_CASES))
-def test_dflash_loss_metrics_grads(spec_draft, verifiers, case):
+def block_reference(spec_draft, algo, fam, kw, loss, fwd, extra=None):
+    """speculators' DFlash-family training forward + loss on a packed row with anchors drawn
+    once (torch seed 0, 6 anchors) and pinned, so both sides see the same blocks. Returns
+    (checkpoint, batch, anchors, valid, ref_loss, ref_metrics, ref_grads)."""
     from speculators.models.dflash.utils import select_anchors
 
     import speculators.models.dflash.core as dcore
 
-    fam, kw, loss, fwd = DFLASH_CASES[case]
-    ck = spec_draft("dflash", fam, **kw)
+    ck = spec_draft(algo, fam, **kw)
     ref_model = load_reference(ck, "sdpa")
     tl = ref_model.config.transformer_layer_config
-    batch = packed_batch("dflash", hidden=tl.hidden_size, num_aux=3, vocab=tl.vocab_size, seed=5,
+    batch = packed_batch(algo, hidden=tl.hidden_size, num_aux=3, vocab=tl.vocab_size, seed=5,
                          avoid_token=ref_model.config.mask_token_id)
     torch.manual_seed(0)
     anchors, valid = select_anchors(batch["loss_mask"], 6, ref_model.block_size)
+    assert int(valid.sum()) > 0
     old = dcore.select_anchors
     dcore.select_anchors = lambda *_a, **_k: (anchors, valid)
     try:
         ref_kw = {("gamma" if k == "dflash_decay_gamma" else k): v for k, v in fwd.items()}
-        ref_loss, ref_m, ref_g = _ref_run(ref_model, batch, {"max_anchors": 6, **ref_kw}, loss)
+        ref = _ref_run(ref_model, batch, {"max_anchors": 6, **ref_kw, **(extra or {})}, loss)
     finally:
         dcore.select_anchors = old
+    return (ck, batch, anchors, valid, *ref)
+
+
+@pytest.mark.parametrize("case", list(DFLASH_CASES))
+def test_dflash_loss_metrics_grads(spec_draft, verifiers, case):
+    fam, kw, loss, fwd = DFLASH_CASES[case]
+    ck, batch, anchors, valid, ref_loss, ref_m, ref_g = block_reference(spec_draft, "dflash", fam, kw, loss, fwd)
     draft = load_draft(ck, verifiers[fam])
     inp = {k: jnp.asarray(v.numpy()) for k, v in batch.items()}
     spec = parse_loss_spec(loss)

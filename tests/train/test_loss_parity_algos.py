@@ -17,7 +17,7 @@ from specjax.train.cod import cod_sample, cod_budget, num_elements, pad_elements
 from specjax.train.losses import parse_loss_spec
 from specjax.train.objectives import dspark_objective, mtp_objective, mtp_step_weights, peagle_objective
 from tests.refs.spec_forward import cod_elements, load_reference, packed_batch
-from tests.train.test_loss_parity import GRAD_PARAMS, LOSS_TOL, _check_grads, _ours_grad, _ref_run
+from tests.train.test_loss_parity import GRAD_PARAMS, LOSS_TOL, _check_grads, _ours_grad, _ref_run, block_reference
 
 MAX_REL = {}  # case -> (loss rel, worst metric rel, grad rel): printed by -s for the report
 
@@ -97,28 +97,10 @@ DSPARK_CASES = {
 @pytest.mark.parametrize("case", list(DSPARK_CASES))
 def test_dspark_loss_metrics_grads(spec_draft, verifiers, case):
     from speculators.losses import resolve_loss_config
-    from speculators.models.dflash.utils import select_anchors
-
-    import speculators.models.dflash.core as dcore
 
     fam, kw, loss, fwd = DSPARK_CASES[case]
-    ck = spec_draft("dspark", fam, **kw)
-    ref_model = load_reference(ck, "sdpa")
-    tl = ref_model.config.transformer_layer_config
-    batch = packed_batch("dspark", hidden=tl.hidden_size, num_aux=3, vocab=tl.vocab_size, seed=5,
-                         avoid_token=ref_model.config.mask_token_id)
-    torch.manual_seed(0)
-    anchors, valid = select_anchors(batch["loss_mask"], 6, ref_model.block_size)
-    assert int(valid.sum()) > 0
-    old = dcore.select_anchors
-    dcore.select_anchors = lambda *_a, **_k: (anchors, valid)
-    try:
-        ref_kw = {("gamma" if k == "dflash_decay_gamma" else k): v for k, v in fwd.items()}
-        ref_loss, ref_m, ref_g = _ref_run(ref_model, batch, {"max_anchors": 6, **ref_kw,
-                                                             "tv_loss_fn": resolve_loss_config("tv", "eager")["tv"][0]},
-                                          loss)
-    finally:
-        dcore.select_anchors = old
+    ck, batch, anchors, valid, ref_loss, ref_m, ref_g = block_reference(
+        spec_draft, "dspark", fam, kw, loss, fwd, {"tv_loss_fn": resolve_loss_config("tv", "eager")["tv"][0]})
     draft = load_draft(ck, verifiers[fam])
     inp = {k: jnp.asarray(v.numpy()) for k, v in batch.items()}
     spec = parse_loss_spec(loss)
