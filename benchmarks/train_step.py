@@ -83,7 +83,7 @@ def main():
     from specjax.train.config import load_recipe
     from specjax.train.export import draft_layer_config, init_draft, speculators_config
     from specjax.train.step import TRACE_COUNT, device_batch, make_step_fns
-    from specjax.train.trainer import FROZEN, trainable_filter
+    from specjax.train.trainer import FROZEN, trainable_filter_for
     from specjax.train.optim import build_optimizer
     from specjax.train.vocab import build_vocab_mapping
     from flax import nnx
@@ -142,7 +142,7 @@ def main():
     # ---------------- specjax (JAX, on the pinned core)
     rcfg = load_recipe(None, ["optimizer.optimizer=adamw", "optimizer.lr=1e-4", "scheduler.scheduler_type=none",
                               f"trainer.compute_dtype={args.compute}"])
-    graphdef, params, frozen = nnx.split(model, nnx.All(nnx.Param, trainable_filter), ...)
+    graphdef, params, frozen = nnx.split(model, nnx.All(nnx.Param, trainable_filter_for("eagle3")), ...)
     tx, _ = build_optimizer(params, optimizer="adamw", lr=1e-4, weight_decay=0.01, muon_lr=1e-4, muon_momentum=0.95,
                             muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw",
                             scheduler_type="none", warmup=0, total=1)

@@ -73,7 +73,7 @@ def kv_cache_sharding(mesh: Mesh, cache):
     nb = batch_divisor(mesh)
     nt = sizes.get("tensor", 1)
 
-    ha = getattr(cache, "heads_axis", 2)  # target KVCache: heads-major [B, H, S, D]; DraftCache [B, S, H, D]
+    ha = cache.heads_axis  # target KVCache: heads-major [B, H, S, D] (1); DraftCache [B, S, H, D] (2)
 
     def kv(x):
         spec = [BATCH if x.shape[0] % nb == 0 else None, None, None, None]

@@ -171,9 +171,8 @@ class MTPArgs(_Section):
 SECTIONS = {"draft": DraftArgs, "data": DataArgs, "loss": LossArgs, "optimizer": OptimizerArgs,
             "scheduler": SchedulerArgs, "trainer": TrainerArgs, "dflash": DFlashArgs, "dspark": DSparkArgs,
             "peagle": PEagleArgs, "mtp": MTPArgs}
-# sections that only one algorithm reads: part of a run's resume identity only for that algorithm
-ALGORITHM_SECTIONS = {"dspark": "dspark", "peagle": "peagle", "mtp": "mtp"}
-ALGORITHMS = ("eagle3", "dflash", "peagle", "dspark", "mtp")
+# sections named after the one algorithm that reads them: part of a run's resume identity only then
+ALGORITHM_SECTIONS = ("dspark", "peagle", "mtp")
 # keys that only change outputs / logging: a resumed run may change them freely
 RESUME_SAFE = frozenset({"trainer.log_every", "trainer.keep_checkpoints", "trainer.checkpoint_every",
                          "trainer.max_minutes", "trainer.output_dir", "data.prepare", "target"})
@@ -244,8 +243,8 @@ class TrainConfig(_Section):
     def resume_key(self) -> dict:
         """The settings a resumed run must share (everything but RESUME_SAFE keys)."""
         doc = self.model_dump(mode="json")
-        for sec, algo in ALGORITHM_SECTIONS.items():
-            if self.speculator_type != algo:
+        for sec in ALGORITHM_SECTIONS:
+            if self.speculator_type != sec:
                 doc.pop(sec, None)
         flat = flatten(doc)
         return {k: v for k, v in flat.items() if not any(k == s or k.startswith(s + ".") for s in RESUME_SAFE)}

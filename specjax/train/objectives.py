@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from specjax.train.losses import LOSSES, compound_loss, dflash_decay, dpace_weights, first_argmax, loss_function, tv
 
@@ -125,11 +126,6 @@ def peagle_objective(logits, targets, loss_mask, depth, *, num_depths: int, loss
     return loss, metrics
 
 
-def _bce_with_logits(x, y):
-    """torch ``binary_cross_entropy_with_logits(x, y, reduction='none')``."""
-    return jnp.maximum(x, 0.0) - x * y + jnp.log1p(jnp.exp(-jnp.abs(x)))
-
-
 def dspark_objective(logits, targets, confidence, loss_mask, *, block_size: int, loss_spec=(("kl_div", 1.0),),
                      per_position_loss_weight: str = "fixed-exp-decay", gamma: float = 4.0, dpace_alpha: float = 0.5,
                      sample_from_anchor: bool = True, confidence_head_alpha: float = 1.0):
@@ -148,7 +144,7 @@ def dspark_objective(logits, targets, confidence, loss_mask, *, block_size: int,
     row_total = jnp.maximum(m.sum(-1), 1.0)  # per packed row, as each rank clamps its own
     if confidence is not None:
         c = confidence.astype(jnp.float32)
-        bce = _bce_with_logits(c, accept)
+        bce = optax.sigmoid_binary_cross_entropy(c, accept)  # torch's BCE-with-logits, per element
         pos = jnp.broadcast_to(jnp.arange(Q) % block_size, (B, Q))
         w = dflash_decay(pos, gamma, sample_from_anchor)  # D-PACE wants token CE: BCE stays on fixed decay
         conf_loss = jnp.mean(jnp.sum(bce * m * w, -1) / (m.sum(-1) + 1e-8))

@@ -68,16 +68,11 @@ PARALLEL_KEY = "_parallel"  # resume.json: rows per step and the mesh of the run
 FROZEN = ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm")
 
 
-def trainable_filter(path, _value) -> bool:
-    return not any(str(p) in FROZEN for p in path)
-
-
 def trainable_filter_for(algo: str):
-    """Which params an algorithm trains: P-EAGLE also trains ``embed_tokens`` (its config's
-    ``embed_requires_grad`` is always True; EAGLE-3 looks its embedding up under no_grad)."""
-    if algo != "peagle":
-        return trainable_filter
-    frozen = tuple(f for f in FROZEN if f != "embed_tokens")
+    """Which params an algorithm trains: everything but :data:`FROZEN`, except that P-EAGLE also
+    trains ``embed_tokens`` (its config's ``embed_requires_grad`` is always True; EAGLE-3 looks its
+    embedding up under no_grad)."""
+    frozen = tuple(f for f in FROZEN if not (algo == "peagle" and f == "embed_tokens"))
     return lambda path, _value: not any(str(p) in frozen for p in path)
 
 
@@ -177,8 +172,10 @@ class Run:
         if Vd > V:
             raise TrainError(f"draft.draft_vocab_size {Vd} is larger than the target vocabulary ({V})",
                              key="draft.draft_vocab_size")
-        if algo == "mtp":
-            self._check_mtp_target(Vd, V)
+        if algo == "mtp":  # before any vocabulary work: MTP has none
+            from specjax.train.draft_doc import check_mtp_target
+
+            check_mtp_target(target, Vd)
         self.t2d = self.d2t = None
         if Vd != V:
             from specjax.train.vocab import (
@@ -195,45 +192,9 @@ class Run:
                     save_vocab_mapping(ddir, *got)
             self.d2t, self.t2d = got
         # ---- draft
-        from specjax.train.export import draft_layer_config, speculators_config, verifier_name
+        from specjax.train.draft_doc import draft_config_doc
 
-        d = cfg.draft
-        if algo == "mtp":
-            from specjax.train.export import mtp_layer_config
-
-            layer = mtp_layer_config(tc)
-        else:
-            layer = draft_layer_config(tc, draft_arch=d.draft_arch, num_layers=d.num_layers,
-                                       sliding_window=d.sliding_window, full_attention_indices=d.full_attention_indices)
-        if algo in ("eagle3", "peagle"):
-            # P-EAGLE always trains its embedding (speculators' from_training_args never passes the flag)
-            extra = dict(norm_before_residual=d.norm_before_residual, norm_before_fc=d.norm_before_fc,
-                         fc_norm=d.fc_norm, norm_output=d.norm_output,
-                         embed_requires_grad=True if algo == "peagle" else d.embed_requires_grad)
-            spec_tokens = cfg.loss.ttt_steps
-            if algo == "peagle":
-                extra["mask_token_id"] = d.mask_token_id if d.mask_token_id is not None else self._mask_token_id()
-                spec_tokens = cfg.peagle.num_depths
-        elif algo == "mtp":
-            extra = {}
-            spec_tokens = cfg.mtp.num_speculative_steps
-        else:
-            mask_id = d.mask_token_id
-            if mask_id is None:
-                mask_id = self._mask_token_id()
-            extra = dict(block_size=cfg.dflash.block_size, mask_token_id=mask_id,
-                         sample_from_anchor=cfg.dflash.sample_from_anchor,
-                         sliding_window_non_causal=d.sliding_window_non_causal)
-            if algo == "dspark":
-                k = cfg.dspark
-                extra.update(markov_rank=k.markov_rank, markov_head_type=k.markov_head_type,
-                             enable_confidence_head=k.enable_confidence_head,
-                             confidence_head_with_markov=k.confidence_head_with_markov)
-            spec_tokens = cfg.dflash.block_size if cfg.dflash.sample_from_anchor else cfg.dflash.block_size - 1
-        self.config_doc = speculators_config(algo, layer=layer, draft_vocab_size=Vd, aux_layer_ids=self.aux,
-                                             speculative_tokens=spec_tokens,
-                                             verifier=verifier_name(target, cfg.verifier_name_or_path),
-                                             verifier_arch=tc.architecture, **extra)
+        self.config_doc = draft_config_doc(cfg, target, aux_layer_ids=self.aux, draft_vocab_size=Vd)
         # ---- schedule
         self.steps_per_epoch = len(self.train_data.step_batches(0))
         if self.steps_per_epoch == 0:
@@ -251,36 +212,6 @@ class Run:
         self.warmup, self.sched_total = resolve_schedule_steps(total=sched_total,
                                                                warmup_steps=cfg.scheduler.scheduler_warmup_steps,
                                                                warmup_ratio=cfg.scheduler.scheduler_warmup_ratio)
-
-    def _check_mtp_target(self, Vd: int, V: int) -> None:
-        """MTP mirrors the target's own decoder layer over its full vocabulary (speculators 0.9.0:
-        ``mtp_model_classes``, ``Vocab reduction is not supported for MTP speculators``)."""
-        mt = self.target.config.to_hf_dict().get("model_type")
-        if mt != "qwen3":
-            raise TrainError(f"speculator_type mtp mirrors the target's own decoder layer, and this target's layers "
-                             f"(model_type {mt!r}) have no MTP layer to mirror: speculators 0.9.0 has MTP layers for "
-                             "qwen3, qwen3_next, qwen3_5_text and qwen3_5_moe_text, specjax for qwen3 (dense); "
-                             "train eagle3 / peagle / dflash / dspark for this target", path=str(self.target.source),
-                             key="speculator_type")
-        if Vd != V:
-            raise TrainError(f"draft.draft_vocab_size {Vd}: MTP predicts over the target's full vocabulary ({V}); "
-                             "leave draft.draft_vocab_size unset (speculators: vocab reduction is not supported for "
-                             "MTP)", key="draft.draft_vocab_size")
-
-    def _mask_token_id(self) -> int:
-        """speculators' ``resolve_mask_token_id`` without adding tokens: tokenizer mask -> pad/eos/unk."""
-        tok = self.target.tokenizer
-        if tok is not None:
-            for name in ("<|MASK|>", "<mask>", "[MASK]"):
-                t = tok.token_to_id(name)
-                if t is not None:
-                    return int(t)
-            for t in (tok.pad_token_id, tok.eos_token_id, tok.token_to_id(tok.unk_token)):
-                if t is not None:
-                    return int(t)
-        if self.target.config.eos_token_ids:
-            return int(self.target.config.eos_token_ids[0])
-        raise TrainError("cannot resolve mask_token_id; set draft.mask_token_id", key="draft.mask_token_id")
 
     def _check_output(self, resume: bool, overwrite: bool):
         ck = self.out / "checkpoints"
