@@ -42,7 +42,7 @@ from flax import nnx
 
 from specjax.models.config import TargetConfig
 from specjax.models.errors import ContextLengthError, TapIdError, UnknownArchitectureError
-from specjax.models.layers import INIT_STD, DecoderLayer, RMSNorm, attend, attend_cache, causal_mask, dense, write_cache
+from specjax.models.layers import INIT_STD, DecoderLayer, Embed, RMSNorm, attend, attend_cache, causal_mask, dense, write_cache
 from specjax.models.rope import apply_rope, rope_cos_sin
 
 
@@ -91,7 +91,7 @@ def check_tap_ids(tap_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
 class Backbone(nnx.Module):
     def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None):
         c = config
-        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
+        self.embed_tokens = Embed(c.vocab_size, c.hidden_size, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
                                       embedding_init=nnx.initializers.normal(INIT_STD))
         self.layers = nnx.List([
             DecoderLayer(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,

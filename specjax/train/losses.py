@@ -50,6 +50,42 @@ def kl_div(logits, targets):
     return jnp.sum(jnp.where(p > 0, p * (logp - logq), 0.0), axis=-1)
 
 
+def kl_target_stats(targets):
+    """What :func:`kl_div_prepared` needs of the targets, computed once and sliced per TTT step:
+    ``p = softmax(targets)`` [.., V], ``sum xlogy(p, p)`` [..] and ``sum p`` [..] (float32)."""
+    logp = _lsm(jax.lax.stop_gradient(targets))
+    p = jnp.exp(logp)
+    return p, jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1), jnp.sum(p, axis=-1)
+
+
+@jax.custom_vjp
+def kl_div_prepared(logits, p, plogp, psum):
+    """:func:`kl_div` from :func:`kl_target_stats`: ``sum p log p - sum p * logits + lse(logits) *
+    sum p`` (the same quantity, without materialising ``log q``), with the gradient written out as
+    ``(softmax(logits) * sum p - p) * ct`` in one pass. The targets get no gradient."""
+    return _kl_prepared_fwd(logits, p, plogp, psum)[0]
+
+
+def _kl_prepared_fwd(logits, p, plogp, psum):
+    lg = logits.astype(jnp.float32)
+    m = jax.lax.stop_gradient(jnp.max(lg, axis=-1, keepdims=True))
+    lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(lg - m), axis=-1))
+    # where(p > 0, ..): zero-probability classes contribute nothing even at logits of -inf (and the
+    # select keeps XLA's CPU backend from handing this reduction to YNNPACK, measured 10x slower).
+    cross = jnp.sum(jnp.where(p > 0, p * lg, 0.0), axis=-1)
+    return plogp - cross + lse * psum, (logits, lse, p, psum)
+
+
+def _kl_prepared_bwd(res, ct):
+    logits, lse, p, psum = res
+    q = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+    g = (q * psum[..., None] - p) * ct[..., None]
+    return g.astype(logits.dtype), None, None, None
+
+
+kl_div_prepared.defvjp(_kl_prepared_fwd, _kl_prepared_bwd)
+
+
 def rkl(logits, targets):
     logq = _lsm(logits)
     logp = _lsm(jax.lax.stop_gradient(targets))

@@ -32,16 +32,23 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from specjax.train.losses import LOSSES, compound_loss, dflash_decay, dpace_weights, first_argmax, loss_function, tv
+from specjax.train.losses import (
+    LOSSES, compound_loss, dflash_decay, dpace_weights, first_argmax, kl_div_prepared, kl_target_stats, loss_function, tv,
+)
 
 
 def eagle3_objective(logits, targets, loss_mask, *, loss_spec=(("kl_div", 1.0),), ttt_step_loss_decay: float = 1.0):
-    """logits [S, B, T, Vd] (one slab per TTT step), targets [B, T, Vd], loss_mask [B, T].
+    """logits [S, B, T, Vd] (one slab per TTT step; or a sequence of S [B, T, Vd] slabs),
+    targets [B, T, Vd], loss_mask [B, T].
     Returns (loss, metrics)."""
-    S, B, T = logits.shape[:3]
+    S = len(logits)
+    B, T = logits[0].shape[:2]
     lm_full = loss_mask
     prev = loss_mask.astype(bool)
     tgt_ids = first_argmax(targets)
+    # A lone kl_div term (the default): the target softmax once for all steps, and the fused loss.
+    kl_only = len(loss_spec) == 1 and loss_spec[0][0] == "kl_div"
+    stats = kl_target_stats(targets) if kl_only else None
     loss = jnp.zeros((), jnp.float32)
     metrics = {}
     for s in range(S):
@@ -50,8 +57,14 @@ def eagle3_objective(logits, targets, loss_mask, *, loss_spec=(("kl_div", 1.0),)
         m = lm_full[:, s:]
         pc = prev[:, : T - s]
         w = ttt_step_loss_decay ** s
-        l_s, terms = compound_loss(lg, tg, m, loss_spec, decay=(lambda el, w=w: jnp.full_like(el, w)) if w != 1.0
-                                   else None)
+        decay = (lambda el, w=w: jnp.full_like(el, w)) if w != 1.0 else None
+        if kl_only:
+            p, plogp, psum = (x[:, s:] for x in stats)
+            l_s = loss_spec[0][1] * loss_function(
+                lg, None, m, lambda lg_, _, p=p, plogp=plogp, psum=psum: kl_div_prepared(lg_, p, plogp, psum), decay)
+            terms = {}
+        else:
+            l_s, terms = compound_loss(lg, tg, m, loss_spec, decay=decay)
         loss = loss + l_s
         pred = first_argmax(lg)
         correct = pred == tgt_ids[:, s:]

@@ -69,7 +69,7 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> Ste
         hs = batch["hidden_states"].astype(cdt)
         if algo == "eagle3":
             out = ttt_forward(model, hs, batch["input_ids"], batch["document_ids"], batch["position_ids"], y,
-                              ttt_steps=S)
+                              ttt_steps=S, stack=False)
             return eagle3_objective(out.logits, out.targets, batch["loss_mask"], loss_spec=spec,
                                     ttt_step_loss_decay=cfg.loss.ttt_step_loss_decay)
         if algo == "peagle":

@@ -186,3 +186,120 @@ def test_blocks_have_hf_param_names():
     c, s = rope_cos_sin(jnp.arange(4)[None], RopeConfig(head_dim=8))
     with pytest.raises(TypeError):  # q/k/v expect 32-wide input
         layer(x, c, s)
+
+
+# ----------------------------------------------------------------------------- low-precision matmuls
+
+
+def _bf(x):
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("batch", [(), (2, 3)])
+@pytest.mark.parametrize("M", [7, 32])
+def test_dot_tn_is_the_row_contraction(batch, M):
+    """``dot_tn(a, b) = a^T b`` over the rows, for f32 and bf16 operands (the CPU path transposes
+    and zero-pads bf16 operands; M = 7 and 32 cover a ragged and a full pad)."""
+    from specjax.models.layers import dot_tn
+
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(*batch, M, 5)).astype(np.float32)
+    b = rng.normal(size=(*batch, M, 6)).astype(np.float32)
+    want = np.einsum("...mk,...mn->...kn", a, b)
+    got = dot_tn(jnp.asarray(a), jnp.asarray(b))
+    assert got.dtype == jnp.float32 and got.shape == (*batch, 5, 6)
+    assert rel_err(got, want) <= 1e-6
+    ab, bb = np.asarray(_bf(a).astype(jnp.float32)), np.asarray(_bf(b).astype(jnp.float32))
+    got = dot_tn(_bf(a), _bf(b))  # bf16 products are exact in f32: only the summation order differs
+    assert got.dtype == jnp.float32 and rel_err(got, np.einsum("...mk,...mn->...kn", ab, bb)) <= 1e-6
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("keep_f32", [False, True])
+def test_bmm_f32acc_values_and_grads(transpose_rhs, keep_f32):
+    """float32: value and gradients equal autodiff of the einsum; bf16: the value is the float32
+    product rounded once (or kept), gradients within bf16 rounding of the float32 ones."""
+    from specjax.models.layers import bmm_f32acc
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2, 3, 9, 8)).astype(np.float32)
+    w = rng.normal(size=(2, 3, 10, 8) if transpose_rhs else (2, 3, 8, 10)).astype(np.float32)
+    ct = rng.normal(size=(2, 3, 9, 10)).astype(np.float32)
+    eq = "bhmk,bhnk->bhmn" if transpose_rhs else "bhmk,bhkn->bhmn"
+
+    def f_ref(x, w):
+        return jnp.sum(jnp.einsum(eq, x.astype(jnp.float32), w.astype(jnp.float32)) * ct)
+
+    def f(x, w):
+        return jnp.sum(bmm_f32acc(x, w, transpose_rhs, keep_f32).astype(jnp.float32) * ct)
+
+    v_ref, g_ref = jax.value_and_grad(f_ref, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
+    v, g = jax.value_and_grad(f, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
+    assert abs(float(v - v_ref)) <= 1e-5 * abs(float(v_ref))
+    assert all(rel_err(a, b) <= 1e-6 for a, b in zip(g, g_ref))
+
+    out = bmm_f32acc(_bf(x), _bf(w), transpose_rhs, keep_f32)
+    exact = jnp.einsum(eq, _bf(x).astype(jnp.float32), _bf(w).astype(jnp.float32))
+    assert out.dtype == (jnp.float32 if keep_f32 else jnp.bfloat16)
+    assert rel_err(out.astype(jnp.float32), exact) <= (1e-6 if keep_f32 else 4e-3)
+    gb = jax.grad(f, argnums=(0, 1))(_bf(x), _bf(w))
+    assert [t.dtype for t in gb] == [jnp.bfloat16, jnp.bfloat16]
+    assert all(rel_err(a.astype(jnp.float32), b) <= 2e-2 for a, b in zip(gb, g_ref))
+
+
+def test_dense_bf16_accumulates_in_f32_and_f32_is_unchanged():
+    """A bf16 linear layer runs ``bf16 x bf16 -> f32`` products (no f32 dot on upcast operands)
+    and rounds once; a float32 one is exactly ``x @ kernel``, value and gradients."""
+    from flax import nnx
+
+    from specjax.models.layers import dense
+
+    rng = np.random.default_rng(2)
+    lin = dense(12, 7, bias=True, rngs=nnx.Rngs(0))
+    lin.bias[...] = jnp.asarray(rng.normal(size=7), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(3, 5, 12)), jnp.float32)
+    k, b = lin.kernel[...], lin.bias[...]
+    assert np.array_equal(np.asarray(lin(x)), np.asarray(x @ k + b))
+    gdef, params = nnx.split(lin)
+
+    def loss(p, x, cast):
+        m = nnx.merge(gdef, jax.tree.map(lambda a: a.astype(cast), p))
+        return jnp.sum(m(x.astype(cast)).astype(jnp.float32) ** 2)
+
+    g32 = jax.grad(loss)(params, x, jnp.float32)
+    g_ref = jax.grad(lambda k, b: jnp.sum((x @ k + b) ** 2), argnums=(0, 1))(k, b)
+    assert rel_err(g32["kernel"][...], g_ref[0]) <= 1e-6 and rel_err(g32["bias"][...], g_ref[1]) <= 1e-6
+    jaxpr = jax.make_jaxpr(lambda p: jax.grad(loss)(p, x, jnp.bfloat16))(params)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots, "no dot in the bf16 layer"
+    for sub in jaxpr.jaxpr.eqns:  # the custom-vjp bodies hold the products
+        for v in sub.params.values():
+            inner = getattr(v, "jaxpr", None)
+            dots += [e for e in getattr(inner, "eqns", []) if e.primitive.name == "dot_general"]
+    for e in dots:
+        assert [str(a.aval.dtype) for a in e.invars] == ["bfloat16", "bfloat16"], e
+        assert str(e.outvars[0].aval.dtype) == "float32", e
+    gbf = jax.grad(loss)(params, x, jnp.bfloat16)
+    assert rel_err(gbf["kernel"][...].astype(jnp.float32), g_ref[0]) <= 2e-2
+
+
+def test_embed_follows_the_table_dtype():
+    """A float32-built table cast to bf16 embeds in bf16 (nnx.Embed kept float32, which silently
+    ran every downstream layer in float32); an explicit dtype wins; float ids are refused."""
+    from flax import nnx
+
+    from specjax.models.layers import Embed
+
+    e = Embed(11, 4, rngs=nnx.Rngs(0))
+    ids = jnp.asarray([[1, 3, 10]])
+    assert e(ids).dtype == jnp.float32
+    assert np.array_equal(np.asarray(e(ids)), np.asarray(e.embedding[...])[np.asarray(ids)])
+    gdef, state = nnx.split(e)
+    eb = nnx.merge(gdef, jax.tree.map(lambda a: a.astype(jnp.bfloat16), state))
+    out = eb(ids)
+    assert out.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(out.astype(jnp.float32)),
+                          np.asarray(e.embedding[...].astype(jnp.bfloat16).astype(jnp.float32))[np.asarray(ids)])
+    assert Embed(11, 4, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)(ids).dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="integers"):
+        e(ids.astype(jnp.float32))

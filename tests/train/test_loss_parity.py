@@ -185,3 +185,25 @@ def test_first_argmax_is_argmax_with_first_index_on_ties():
         np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x), axis=axis)), np.argmax(x, axis=axis))
     xb = jnp.asarray(rng.standard_normal((4, 300)), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(first_argmax(xb)), np.asarray(jnp.argmax(xb, axis=-1)))
+
+
+def test_kl_div_prepared_equals_kl_div():
+    """The fused KL (target statistics computed once, gradient written out) equals ``kl_div`` in
+    value and gradient, with zero-probability target classes (``-inf`` targets) and bf16 logits."""
+    from specjax.train.losses import kl_div, kl_div_prepared, kl_target_stats
+
+    rng = np.random.default_rng(3)
+    lg = jnp.asarray(rng.normal(size=(2, 7, 33)) * 3, jnp.float32)
+    tg = rng.normal(size=(2, 7, 33)) * 2
+    tg[0, 1, :5] = -np.inf
+    tg = jnp.asarray(tg, jnp.float32)
+    ct = jnp.asarray(rng.normal(size=(2, 7)), jnp.float32)
+    p, plogp, psum = kl_target_stats(tg)
+    ref, g_ref = jax.value_and_grad(lambda x: jnp.sum(kl_div(x, tg) * ct))(lg)
+    got, g = jax.value_and_grad(lambda x: jnp.sum(kl_div_prepared(x, p, plogp, psum) * ct))(lg)
+    assert rel_err(kl_div_prepared(lg, p, plogp, psum), kl_div(lg, tg)) <= 1e-6
+    assert abs(float(got - ref)) <= 1e-6 * abs(float(ref)) and rel_err(g, g_ref) <= 1e-6
+    lb = lg.astype(jnp.bfloat16)
+    gb = jax.grad(lambda x: jnp.sum(kl_div_prepared(x, p, plogp, psum) * ct))(lb)
+    assert gb.dtype == jnp.bfloat16
+    assert rel_err(kl_div_prepared(lb, p, plogp, psum), kl_div(lb, tg)) <= 1e-6

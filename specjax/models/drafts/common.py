@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.drafts.spec import DecoderSpec
-from specjax.models.layers import INIT_STD, RMSNorm, attend, dense
+from specjax.models.layers import INIT_STD, Embed, RMSNorm, attend, dense
 from specjax.models.rope import apply_rope
 
 
@@ -131,7 +131,7 @@ def init_vocab(module, spec: DecoderSpec, draft_vocab_size: int, *, rngs: nnx.Rn
     H, V = spec.hidden, spec.vocab_size
     module.vocab_size = V
     module.draft_vocab_size = int(draft_vocab_size)
-    module.embed_tokens = nnx.Embed(V, H, rngs=rngs, param_dtype=param_dtype,
+    module.embed_tokens = Embed(V, H, rngs=rngs, param_dtype=param_dtype,
                                     embedding_init=nnx.initializers.normal(INIT_STD))
     module.lm_head = dense(H, draft_vocab_size, bias=False, rngs=rngs, param_dtype=param_dtype)
     if verifier_heads:

@@ -30,7 +30,7 @@ from specjax.models.drafts.common import DraftCache, d2t_of, greedy
 from specjax.models.drafts.dflash import BlockOutput, DFlashDraft, DFlashOutput
 from specjax.models.drafts.spec import DraftConfigError
 from specjax.models.drafts.vocab import draft_to_target
-from specjax.models.layers import dense
+from specjax.models.layers import Embed, dense
 
 
 class DSparkOutput(NamedTuple):
@@ -59,7 +59,7 @@ class MarkovHead(nnx.Module):
                                    key="markov_head_type")
         self.head_type = head_type
         self.rank = rank
-        self.markov_w1 = nnx.Embed(vocab_size, rank, rngs=rngs, param_dtype=param_dtype,
+        self.markov_w1 = Embed(vocab_size, rank, rngs=rngs, param_dtype=param_dtype,
                                    embedding_init=nnx.initializers.normal(0.01))
         self.markov_w2 = dense(rank, draft_vocab_size, bias=False, rngs=rngs, param_dtype=param_dtype)
         self.gate_proj = dense(hidden + rank, rank, bias=True, rngs=rngs, param_dtype=param_dtype) \
