@@ -88,42 +88,15 @@ def _bmm_bwd(transpose_rhs, keep_f32, res, g):
 bmm_f32acc.defvjp(_bmm_fwd, _bmm_bwd)
 
 
-def _mm_f32acc(x, w):
-    return _dot(x, w, x.ndim - 1, 0, 0).astype(x.dtype)
-
-
-@jax.custom_vjp
-def matmul_f32acc(x, w):
-    """A linear layer's ``x @ w``: ``x`` [..., K], ``w`` [K, N] of one low-precision dtype, with
-    :func:`bmm_f32acc`'s contract (float32 accumulation, one rounding to ``x.dtype``; the same
-    in the backward, whose weight gradient goes through :func:`dot_tn`)."""
-    return _mm_f32acc(x, w)
-
-
-def _matmul_fwd(x, w):
-    return _mm_f32acc(x, w), (x, w)
-
-
-def _matmul_bwd(res, g):
-    x, w = res
-    g = g.astype(x.dtype)
-    dx = _dot(g, w, g.ndim - 1, 1, 0).astype(x.dtype)
-    dw = dot_tn(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])).astype(w.dtype)
-    return dx, dw
-
-
-matmul_f32acc.defvjp(_matmul_fwd, _matmul_bwd)
-
-
 def dot_general_f32acc(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
-    """``nnx.Linear``'s ``dot_general``: :func:`matmul_f32acc` for a low-precision linear layer
+    """``nnx.Linear``'s ``dot_general``: :func:`bmm_f32acc` (rows flattened) for a low-precision linear layer
     (same-dtype bf16/f16 operands, the layer's contraction, no explicit output type); plain
     ``lax.dot_general`` for everything else (float32 layers compute exactly as before)."""
     (lc, rc), (lb, _) = dimension_numbers
     if (jnp.dtype(lhs.dtype) in LOW_PRECISION and rhs.dtype == lhs.dtype and rhs.ndim == 2 and not lb
             and tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and out_sharding is None
             and (preferred_element_type is None or jnp.dtype(preferred_element_type) == jnp.dtype(lhs.dtype))):
-        return matmul_f32acc(lhs, rhs)
+        return bmm_f32acc(lhs.reshape(-1, lhs.shape[-1]), rhs).reshape(*lhs.shape[:-1], rhs.shape[-1])
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, out_sharding=out_sharding)
 
