@@ -40,14 +40,23 @@ def dot_tn(a, b):
     GFLOP/s on one core against 350-470 for YNNPACK's bf16). On the CPU ``a`` is therefore
     transposed into memory first; XLA would fold a bare transpose back into the dot, so the
     transposed copy and ``b`` get a few zero rows of padding along ``M`` (exact: zeros add nothing).
-    Other backends take the contraction as it is."""
+    When ``a`` is the larger operand (attention's ``p^T dO``: ``a`` is [T, T], ``b`` [T, D]) the
+    product is computed as ``(b^T a)^T`` instead, which transposes ``b`` and the small result
+    rather than ``a`` (the optimisation barrier keeps XLA from folding the output transpose into
+    the dot, which the CPU backend then cannot run in bf16); the cheaper of the two is taken by
+    the elements moved: ``M K`` against ``M N + K N``. Other backends take the contraction as it is."""
     nb = a.ndim - 2
     if jnp.dtype(a.dtype) not in LOW_PRECISION or jax.default_backend() != "cpu":
         return _dot(a, b, nb, nb, nb)
-    pad = 16 - a.shape[-2] % 16
-    at = jnp.pad(jnp.swapaxes(a, -1, -2), [(0, 0)] * (nb + 1) + [(0, pad)])
-    bp = jnp.pad(b, [(0, 0)] * nb + [(0, pad), (0, 0)])
-    return _dot(at, bp, nb + 1, nb, nb)
+    (M, K), N = a.shape[-2:], b.shape[-1]
+    pad = 16 - M % 16
+    if M * K <= (M + K) * N:
+        at = jnp.pad(jnp.swapaxes(a, -1, -2), [(0, 0)] * (nb + 1) + [(0, pad)])
+        bp = jnp.pad(b, [(0, 0)] * nb + [(0, pad), (0, 0)])
+        return _dot(at, bp, nb + 1, nb, nb)
+    bt = jnp.pad(jnp.swapaxes(b, -1, -2), [(0, 0)] * (nb + 1) + [(0, pad)])
+    ap = jnp.pad(a, [(0, 0)] * nb + [(0, pad), (0, 0)])
+    return jnp.swapaxes(jax.lax.optimization_barrier(_dot(bt, ap, nb + 1, nb, nb)), -1, -2)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -197,17 +197,19 @@ def _bf(x):
 
 @pytest.mark.parametrize("batch", [(), (2, 3)])
 @pytest.mark.parametrize("M", [7, 32])
-def test_dot_tn_is_the_row_contraction(batch, M):
+@pytest.mark.parametrize("K,N", [(5, 6), (20, 3)])
+def test_dot_tn_is_the_row_contraction(batch, M, K, N):
     """``dot_tn(a, b) = a^T b`` over the rows, for f32 and bf16 operands (the CPU path transposes
-    and zero-pads bf16 operands; M = 7 and 32 cover a ragged and a full pad)."""
+    and zero-pads bf16 operands; M = 7 and 32 cover a ragged and a full pad; K, N = 20, 3 makes
+    ``a`` the larger operand, computed as ``(b^T a)^T``)."""
     from specjax.models.layers import dot_tn
 
     rng = np.random.default_rng(0)
-    a = rng.normal(size=(*batch, M, 5)).astype(np.float32)
-    b = rng.normal(size=(*batch, M, 6)).astype(np.float32)
+    a = rng.normal(size=(*batch, M, K)).astype(np.float32)
+    b = rng.normal(size=(*batch, M, N)).astype(np.float32)
     want = np.einsum("...mk,...mn->...kn", a, b)
     got = dot_tn(jnp.asarray(a), jnp.asarray(b))
-    assert got.dtype == jnp.float32 and got.shape == (*batch, 5, 6)
+    assert got.dtype == jnp.float32 and got.shape == (*batch, K, N)
     assert rel_err(got, want) <= 1e-6
     ab, bb = np.asarray(_bf(a).astype(jnp.float32)), np.asarray(_bf(b).astype(jnp.float32))
     got = dot_tn(_bf(a), _bf(b))  # bf16 products are exact in f32: only the summation order differs
