@@ -26,25 +26,44 @@ from specjax.models.rope import apply_rope, rope_cos_sin
 _NEG = -1e30
 
 
-def ttt_attend(q, k0, v0, kd, vd, mask0, scale: float):
+def ttt_attend(q, k0, v0, kd, vd, mask0, scale: float, *, window: int | None = None, chunk: int = 256):
     """q [B,T,Hq,D]; k0/v0 [B,T,Hkv,D] (step-0 keys); kd/vd lists of [B,T,Hkv,D] (the keys of steps
-    1..s at the query's own position); mask0 bool [B,1,T,T]. -> [B,T,Hq,D].
+    1..s at the query's own position); mask0 bool [B,1,T,T] (causal, within ``window`` when set).
+    -> [B,T,Hq,D].
 
     Keys/values are repeated to the query heads and scores laid out ``[B, Hq, T, S]``: plain
     batched matmuls (:func:`~specjax.models.layers.bmm_f32acc`: float32 accumulation, and
-    backward products XLA's CPU backend runs natively in bf16)."""
+    backward products XLA's CPU backend runs natively in bf16). Queries go in static blocks of
+    ``chunk`` rows, each against only the step-0 keys the causal (and window) mask can admit: for
+    1024 tokens in blocks of 256, 10 of the 16 score blocks. Exact: every skipped key is masked
+    for every query of the block, and no row is empty (a query always sees itself)."""
     B, T, Hq, D = q.shape
     G = Hq // k0.shape[2]
 
     def heads(x):  # [B,T,Hkv,D] -> [B,Hq,T,D]
         return jnp.transpose(jnp.repeat(x, G, axis=2) if G > 1 else x, (0, 2, 1, 3))
 
-    qt = jnp.transpose(q, (0, 2, 1, 3))
-    kt, vt = heads(k0), heads(v0)
-    s0 = bmm_f32acc(qt, kt, True, True) * scale
-    s0 = jnp.where(mask0, s0, _NEG)  # mask0 [B,1,T,T]
+    qt, kt, vt = jnp.transpose(q, (0, 2, 1, 3)), heads(k0), heads(v0)
     kdt, vdt = [heads(k) for k in kd], [heads(v) for v in vd]
-    sd = [jnp.sum(qt.astype(jnp.float32) * k.astype(jnp.float32), axis=-1) * scale for k in kdt]  # [B,Hq,T]
+    outs = []
+    for lo in range(0, T, chunk):
+        hi = min(lo + chunk, T)
+        k_lo = 0 if window is None else max(0, (lo - window + 1) // chunk * chunk)
+        rows = slice(lo, hi)
+        outs.append(_attend_block(qt[:, :, rows], kt[:, :, k_lo:hi], vt[:, :, k_lo:hi],
+                                  [k[:, :, rows] for k in kdt], [v[:, :, rows] for v in vdt],
+                                  mask0[:, :, rows, k_lo:hi], scale))
+    o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+    return jnp.transpose(o, (0, 2, 1, 3)).astype(q.dtype)
+
+
+def _attend_block(qt, kt, vt, kdt, vdt, mask, scale):
+    """One block of query rows, heads leading: qt [B,Hq,C,D] against step-0 keys kt/vt
+    [B,Hq,S,D] under ``mask`` [B,1,C,S] and each later step's key at the query's own position
+    (kdt/vdt [B,Hq,C,D]), one softmax over all of them. -> float32 [B,Hq,C,D]."""
+    s0 = bmm_f32acc(qt, kt, True, True) * scale
+    s0 = jnp.where(mask, s0, _NEG)
+    sd = [jnp.sum(qt.astype(jnp.float32) * k.astype(jnp.float32), axis=-1) * scale for k in kdt]  # [B,Hq,C]
     m = jnp.max(s0, axis=-1)
     for x in sd:
         m = jnp.maximum(m, x)
@@ -57,16 +76,16 @@ def ttt_attend(q, k0, v0, kd, vd, mask0, scale: float):
     o = bmm_f32acc(p0.astype(vt.dtype), vt, False, True)
     for p, v in zip(pd, vdt):
         o = o + p[..., None] * v.astype(jnp.float32)
-    o = o / z[..., None]
-    return jnp.transpose(o, (0, 2, 1, 3)).astype(q.dtype)
+    return o / z[..., None]
 
 
 def ttt_forward(model, hidden_states, input_ids, document_ids, position_ids=None, verifier_last_hidden_states=None,
-                *, ttt_steps: int = 3, stack: bool = True) -> Eagle3Output:
+                *, ttt_steps: int = 3, stack: bool = True, attn_chunk: int = 256) -> Eagle3Output:
     """``model(...)`` of an ``Eagle3Draft`` (one packed row, after ``shift_batch``), computed with
     :func:`ttt_attend`. ``stack=False`` returns ``logits`` and ``hidden`` as tuples of per-step
     slabs (what the train step uses: the backward of a stack plus per-step slices is a padded
-    ``[S, B, T, Vd]`` sum, measured at 0.13 s of a 1.2 s step)."""
+    ``[S, B, T, Vd]`` sum, measured at 0.13 s of a 1.2 s step). ``attn_chunk``: the query block
+    of :func:`ttt_attend`."""
     B, T = input_ids.shape
     if position_ids is None:
         position_ids = jnp.broadcast_to(1 + jnp.arange(T), (B, T))
@@ -97,7 +116,9 @@ def ttt_forward(model, hidden_states, input_ids, document_ids, position_ids=None
             else:
                 kd[i].append(k)
                 vd[i].append(v)
-            o = ttt_attend(q, k0[i], v0[i], kd[i], vd[i], masks0[model.spec.windows[i]], attn.scaling)
+            w = model.spec.windows[i]
+            o = ttt_attend(q, k0[i], v0[i], kd[i], vd[i], masks0[w], attn.scaling, window=w,
+                           chunk=attn_chunk)
             x = mlp_block(layer, res + attn.output(o))
         logits, h = model.head(x)
         all_logits.append(logits)

@@ -23,14 +23,17 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_fast_forward_equals_module(spec_draft, verifiers, case):
+@pytest.mark.parametrize("chunk", [256, 8])
+def test_fast_forward_equals_module(spec_draft, verifiers, case, chunk):
+    """``chunk`` 8 splits the 34 query rows into 5 blocks (the last ragged), each against only
+    the keys its causal/window mask admits; 256 is one block."""
     fam, kw = CASES[case]
     draft = load_draft(spec_draft("eagle3", fam, **kw), verifiers[fam])
     b = packed_batch("eagle3", hidden=32, num_aux=3, vocab=96, lengths=(9, 6, 11, 3), total_len=34, seed=7)
     inp = {k: jnp.asarray(v.numpy()) for k, v in b.items()}
     ref = draft(**inp, ttt_steps=4)
     out = ttt_forward(draft, inp["hidden_states"], inp["input_ids"], inp["document_ids"], inp["position_ids"],
-                      inp["verifier_last_hidden_states"], ttt_steps=4)
+                      inp["verifier_last_hidden_states"], ttt_steps=4, attn_chunk=chunk)
     assert rel_err(out.logits, ref.logits) <= 1e-5
     assert rel_err(out.hidden, ref.hidden) <= 1e-5
     assert rel_err(out.targets, ref.targets) == 0.0
@@ -40,7 +43,7 @@ def test_fast_forward_equals_module(spec_draft, verifiers, case):
     def loss(p, fast):
         m = nnx.merge(graphdef, p, rest)
         o = (ttt_forward(m, inp["hidden_states"], inp["input_ids"], inp["document_ids"], inp["position_ids"],
-                         inp["verifier_last_hidden_states"], ttt_steps=3) if fast
+                         inp["verifier_last_hidden_states"], ttt_steps=3, attn_chunk=chunk) if fast
              else m(**inp, ttt_steps=3))
         return eagle3_objective(o.logits, o.targets, inp["loss_mask"])[0]
 
