@@ -1,7 +1,9 @@
 """Target-only vs speculative decoding over the same prompts, in one process.
 
-:func:`run_bench` pads every prompt to one bucket and every batch to ``batch_size`` (so each
-loop compiles once; compile time is measured on a warm-up batch and excluded), then per batch
+:func:`run_bench` pads every prompt to one bucket and every batch to ``batch_size``, and at batch
+> 1 prefills each batch's prompts back to back in one packed row of one length (the longest
+batch's; see ``generate.prefill``), so each loop compiles once (compile time is measured on a
+warm-up batch and excluded); then per batch
 times target-only generation and speculative generation back to back (interleaved, so a change
 in machine load hits both alike). It reports:
 
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.decode.generate import bucket, generate_ids
+from specjax.decode.generate import bucket, generate_ids, worth_packing
 from specjax.decode.sampling import GREEDY, SamplingParams
 from specjax.decode.spec_stats import SpecStats, alpha_from_tau, predicted_speedup
 from specjax.decode.speculative import SpecDraft, place_pair, resolve_k, speculative_generate_ids, split_pair
@@ -227,8 +229,11 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
         split = place_pair(target, draft.module, mesh)
     else:
         split = split_pair(target, draft.module)
+    # one packed prefill length for every batch (one compile): the longest batch, rounded to 32
+    packed = bucket(max(sum(len(p) for p in b) for b, _ in batches))
+    packed = packed if worth_packing(packed, batch_size, P) and mesh is None else None
     common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, pad_id=pad_id,
-                  prompt_bucket=P, mesh=mesh)
+                  prompt_bucket=P, mesh=mesh, packed_len=packed)
 
     def base(b, s):
         return generate_ids(target, b, seed=s, **common)

@@ -46,15 +46,60 @@ class DecodeState(NamedTuple):
     key: jax.Array
 
 
-def prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids: Sequence[int] = ()):
+def prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids: Sequence[int] = (),
+            packed_len: int | None = None):
     """prompt_ids int [B, P] right-padded, prompt_lens int [B] >= 1. Writes the prompts into
     ``cache`` (which must start empty) and sets ``cache.lengths = prompt_lens``. Returns
-    ``(last_logits [B, V], cache, aux)``; aux are [B, P, hidden] per tap id."""
-    P = prompt_ids.shape[1]
-    mask = jnp.arange(P)[None, :] < prompt_lens[:, None]
-    out = model(prompt_ids, positions=jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), prompt_ids.shape),
-                cache=cache, attention_mask=mask, tap_ids=tap_ids, logits_at=prompt_lens - 1)
-    return out.logits, out.cache, out.aux_hidden_states
+    ``(last_logits [B, V], cache, aux)``; aux are [B, P, hidden] per tap id (rows past a
+    prompt's length are not meaningful).
+
+    ``packed_len`` (static): run the prompts back to back in one row of that many tokens
+    (``sum(prompt_lens)`` must fit; the caller checks) instead of ``B`` rows of ``P``: the same
+    result without the padding's work (a batch of 4 chat prompts of 64-195 tokens padded to 224
+    is about half padding)."""
+    B, P = prompt_ids.shape
+    if packed_len is None:
+        mask = jnp.arange(P)[None, :] < prompt_lens[:, None]
+        out = model(prompt_ids, positions=jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), prompt_ids.shape),
+                    cache=cache, attention_mask=mask, tap_ids=tap_ids, logits_at=prompt_lens - 1)
+        return out.logits, out.cache, out.aux_hidden_states
+    lens = prompt_lens.astype(jnp.int32)
+    ends = jnp.cumsum(lens)
+    starts = ends - lens
+    t = jnp.arange(packed_len, dtype=jnp.int32)
+    seg = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)  # B past the last prompt
+    valid = seg < B
+    segc = jnp.minimum(seg, B - 1)
+    pos = jnp.where(valid, t - starts[segc], 0)
+    ids = jnp.where(valid, prompt_ids[segc, jnp.minimum(pos, P - 1)], 0)
+    out = model(ids[None], positions=pos[None], cache=cache, segments=jnp.where(valid, seg, -1), tap_ids=tap_ids,
+                logits_at=ends - 1)
+    rows = jnp.minimum(starts[:, None] + jnp.arange(P, dtype=jnp.int32)[None], packed_len - 1)  # [B, P] -> row slot
+    return out.logits, out.cache, tuple(a[0][rows] for a in out.aux_hidden_states)
+
+
+PACK_MAX = 2048  # longest packed prefill row: its attention scores are [heads, T, T]
+
+
+def worth_packing(packed_len: int, batch: int, padded_len: int) -> bool:
+    """A packed prefill row of ``packed_len`` tokens replaces ``batch`` rows of ``padded_len``
+    when it is shorter and at most :data:`PACK_MAX` long (its attention is quadratic in the
+    row, so many short prompts stay padded)."""
+    return batch > 1 and packed_len < batch * padded_len and packed_len <= PACK_MAX
+
+
+def packed_length(lens: Sequence[int], padded_len: int) -> int | None:
+    """The packed-prefill row length for prompts of ``lens`` right-padded to ``padded_len`` (see
+    :func:`prefill`): ``sum(lens)`` rounded up to a multiple of ``padded_len`` (so one padded
+    length has at most ``len(lens) - 1`` packed variants to compile), or None (keep the padded
+    layout) unless :func:`worth_packing`."""
+    n = -(-sum(int(x) for x in lens) // padded_len) * padded_len
+    return n if worth_packing(n, len(lens), padded_len) else None
+
+
+def check_packed_len(packed_len: int | None, lens: Sequence[int]) -> None:
+    if packed_len is not None and sum(int(x) for x in lens) > packed_len:
+        raise ValueError(f"packed_len {packed_len} is shorter than the prompts together ({sum(lens)} tokens)")
 
 
 def is_eos(tokens, eos_ids):
@@ -90,13 +135,14 @@ def emit(state: DecodeState, new_tokens, counts, eos_ids, pad_id: int) -> Decode
 
 
 def start(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int, max_len: int,
-          sampling: SamplingParams, pad_id: int, cache_dtype, tap_ids: Sequence[int] = (), mesh=None):
+          sampling: SamplingParams, pad_id: int, cache_dtype, tap_ids: Sequence[int] = (), mesh=None,
+          packed_len: int | None = None):
     """Prefill into a fresh cache, sample and emit the first token. Returns ``(DecodeState, aux)``
     (aux: the prompt rows' tapped hidden states, for a draft). ``mesh``: pin the KV cache to
     ``specjax.sharding.kv_cache_sharding`` (batch on data/fsdp, heads on tensor)."""
     B = prompt_ids.shape[0]
     cache = _pin(KVCache.init(model.config, B, max_len, cache_dtype), mesh)
-    logits, cache, aux = prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids)
+    logits, cache, aux = prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, packed_len=packed_len)
     cache = _pin(cache, mesh)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, sampling)
@@ -115,10 +161,12 @@ def _pin(cache, mesh):
 
 
 def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int,
-                   max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype, mesh=None):
+                   max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype, mesh=None,
+                   packed_len: int | None = None):
     B = prompt_ids.shape[0]
     st, _ = start(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
-                  max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh)
+                  max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh,
+                  packed_len=packed_len)
 
     def cond(s: DecodeState):
         return (s.step < max_new_tokens - 1) & ~jnp.all(s.done)
@@ -135,13 +183,14 @@ def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_id
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id",
-                                             "cache_dtype"))
+                                             "cache_dtype", "packed_len"))
 def _generate_jit(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens, max_len,
-                  sampling, pad_id, cache_dtype):
+                  sampling, pad_id, cache_dtype, packed_len=None):
     TRACE_COUNT["generate"] += 1
     model = nnx.merge(graphdef, params)
     return _generate_core(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
-                          max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype)
+                          max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype,
+                          packed_len=packed_len)
 
 
 _SHARDED_JITS: dict = {}
@@ -265,6 +314,16 @@ def prepare(config, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eo
     return Batch(ids, np.asarray(lens, np.int32), limits, eos, pad, ctx)
 
 
+def resolve_packed_len(packed_len: int | str | None, b: "Batch") -> int | None:
+    """``packed_len`` of :func:`generate_ids` for the prepared batch ``b`` (checked to fit)."""
+    if packed_len == "auto":
+        return packed_length(b.lens.tolist(), b.padded_len)
+    if packed_len is not None:
+        packed_len = int(packed_len)
+        check_packed_len(packed_len, b.lens.tolist())
+    return packed_len
+
+
 def cache_dtype_of(model: CausalLM):
     return jnp.dtype(model.model.embed_tokens.embedding.get_value().dtype)
 
@@ -272,7 +331,7 @@ def cache_dtype_of(model: CausalLM):
 def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
                  sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
                  pad_id: int | None = None, context_length: int | None = None,
-                 prompt_bucket: int = 32, mesh=None) -> GenerationResult:
+                 prompt_bucket: int = 32, mesh=None, packed_len: int | str | None = "auto") -> GenerationResult:
     """Generate continuations of token-id prompts (a batch, ragged lengths allowed).
 
     Each sequence stops at the first token in ``eos_token_ids`` (default: the config's; ``[]``
@@ -284,6 +343,11 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
     / ``shard_params``), or ``mesh`` is given (params not on it are placed, as a copy, by
     ``specjax.sharding.TARGET_RULES``), the loop runs under :func:`sharded_generate_fn` (explicit
     in/out shardings; the batch is padded to a multiple of data x fsdp).
+
+    ``packed_len``: the prefill runs the prompts back to back in one row of this many tokens
+    (:func:`prefill`; static, so a fixed value shares one compile across batches); "auto" (the
+    default) :func:`packed_length`, None the right-padded layout. Sharded runs keep the padded
+    layout (the batch is split over devices).
     """
     b = prepare(model.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
                 context_length=context_length, prompt_bucket=prompt_bucket)
@@ -304,10 +368,11 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
         return GenerationResult(tokens=[toks[i, : num[i]].tolist() for i in range(len(prompts))],
                                 stop_reasons=["eos" if e else "length" for e in eos_hit],
                                 prompt_lengths=b.lens.tolist())
+    packed_len = resolve_packed_len(packed_len, b)
     toks, num, eos_hit = _generate_jit(graphdef, params, jnp.asarray(b.ids), jnp.asarray(b.lens),
                                        jnp.asarray(b.limits), jax.random.key(seed), jnp.asarray(b.eos, jnp.int32),
                                        max_new_tokens=int(max_new_tokens), max_len=int(max_len), sampling=sampling,
-                                       pad_id=b.pad, cache_dtype=cache_dtype_of(model))
+                                       pad_id=b.pad, cache_dtype=cache_dtype_of(model), packed_len=packed_len)
     toks, num, eos_hit = np.asarray(toks), np.asarray(num), np.asarray(eos_hit)
     return GenerationResult(tokens=[toks[i, : num[i]].tolist() for i in range(len(prompts))],
                             stop_reasons=["eos" if e else "length" for e in eos_hit], prompt_lengths=b.lens.tolist())

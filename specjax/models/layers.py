@@ -181,6 +181,16 @@ def write_cache(buf, positions, rows):
     return buf.at[b, h, positions[:, None, :]].set(jnp.swapaxes(rows, 1, 2).astype(buf.dtype), mode="drop")
 
 
+def write_packed(buf, segments, positions, rows):
+    """Heads-major KV cache write from one packed row. buf [B, Hkv, S, D]; segments int [T]
+    (the sequence of each row, -1 = padding); positions int [T]; rows [T, Hkv, D] -> buf with
+    row t at ``buf[segments[t], :, positions[t]]`` (padding and slots past S are dropped)."""
+    B, H = buf.shape[:2]
+    seg = jnp.where(segments < 0, B, segments)  # B = out of range: dropped
+    h = jnp.arange(H)[None, :]
+    return buf.at[seg[:, None], h, positions[:, None]].set(rows.astype(buf.dtype), mode="drop")
+
+
 def attend_cache(q, k, v, mask=None, *, scale: float | None = None):
     """GQA attention over a heads-major cache: the same result as :func:`attend` with the cache
     in ``[B, S, Hkv, D]``, but both products are plain batched matmuls over ``(B, Hkv)`` on the

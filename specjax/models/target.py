@@ -42,7 +42,8 @@ from flax import nnx
 
 from specjax.models.config import TargetConfig
 from specjax.models.errors import ContextLengthError, TapIdError, UnknownArchitectureError
-from specjax.models.layers import INIT_STD, DecoderLayer, Embed, RMSNorm, attend, attend_cache, causal_mask, dense, write_cache
+from specjax.models.layers import (INIT_STD, DecoderLayer, Embed, RMSNorm, attend, attend_cache, causal_mask, dense,
+                                   write_cache, write_packed)
 from specjax.models.rope import apply_rope, rope_cos_sin
 
 
@@ -134,7 +135,8 @@ class CausalLM(nnx.Module):
         return self.lm_head(h)
 
     def __call__(self, input_ids, *, positions=None, cache: KVCache | None = None, attention_mask=None,
-                 tap_ids: Sequence[int] = (), logits_at=None, return_logits: bool = True) -> TargetOutput:
+                 tap_ids: Sequence[int] = (), logits_at=None, return_logits: bool = True,
+                 segments=None) -> TargetOutput:
         """One forward.
 
         input_ids int [B, T]. positions int [B, T]: default ``arange(T)`` without a cache,
@@ -148,6 +150,13 @@ class CausalLM(nnx.Module):
         tap_ids (static): hidden states to return, id k < n = residual stream entering layer k
         (HF ``hidden_states[k]``), id n = final hidden state before the final norm.
         logits_at: None for logits at every position, or int [B] / [B, K] indices into T.
+
+        segments int [T] (with a cache and one packed row, ``input_ids`` [1, T]): a packed
+        prefill. Token t belongs to sequence ``segments[t]`` of the cache (-1: padding, dropped)
+        at position ``positions[0, t]``; it attends to the earlier tokens of its own sequence in
+        the row (not to the cache) and its K/V go to that sequence's cache row. ``lengths``
+        advance by each sequence's token count; ``logits_at`` int [B'] indexes the row (logits
+        [B', V]). Equal to a right-padded prefill of the sequences without the padding's work.
         """
         cfg = self.config
         n = cfg.num_hidden_layers
@@ -160,7 +169,16 @@ class CausalLM(nnx.Module):
 
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(positions, cfg.rope, dtype=x.dtype)
-        if cache is not None:
+        packed = segments is not None
+        if packed:
+            if cache is None or B != 1:
+                raise ValueError(f"a packed prefill (segments) takes one row and a cache, got input_ids {input_ids.shape}"
+                                 f" and {'a' if cache is not None else 'no'} cache")
+            seg = jnp.asarray(segments, jnp.int32)
+            same = (seg[:, None] == seg[None, :]) & (seg[None, :] >= 0)
+            kv_pos = positions[0]
+            q_pos, kv_valid = positions, None
+        elif cache is not None:
             S = cache.max_len
             if T > S:
                 raise ContextLengthError(f"{T} new tokens do not fit a KV cache of max_len {S}", key="input_ids")
@@ -175,6 +193,8 @@ class CausalLM(nnx.Module):
         def mask_for(w):
             if w not in masks:
                 masks[w] = causal_mask(q_pos, kv_pos, sliding_window=w, kv_valid=kv_valid)
+                if packed:
+                    masks[w] = masks[w] & same[None, None]
             return masks[w]
 
         aux = {}
@@ -185,7 +205,11 @@ class CausalLM(nnx.Module):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if cache is not None:
+            if packed:
+                new_k.append(write_packed(cache.k[i], seg, kv_pos, k[0]))
+                new_v.append(write_packed(cache.v[i], seg, kv_pos, v[0]))
+                o = attend(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)
+            elif cache is not None:
                 k, v = write_cache(cache.k[i], positions, k), write_cache(cache.v[i], positions, v)
                 new_k.append(k)
                 new_v.append(v)
@@ -202,7 +226,9 @@ class CausalLM(nnx.Module):
             h = x
             if logits_at is not None:
                 idx = jnp.asarray(logits_at, jnp.int32)
-                if idx.ndim == 1:
+                if packed:
+                    h = x[0, idx]
+                elif idx.ndim == 1:
                     h = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
                 else:
                     h = jnp.take_along_axis(x, idx[:, :, None], axis=1)
@@ -210,7 +236,10 @@ class CausalLM(nnx.Module):
 
         new_cache = None
         if cache is not None:
-            adv = T if attention_mask is None else attention_mask.astype(jnp.int32).sum(-1)
+            if packed:
+                adv = jnp.zeros((cache.batch,), jnp.int32).at[jnp.where(seg < 0, cache.batch, seg)].add(1, mode="drop")
+            else:
+                adv = T if attention_mask is None else attention_mask.astype(jnp.int32).sum(-1)
             new_cache = KVCache(tuple(new_k), tuple(new_v), cache.lengths + adv)
         return TargetOutput(logits, new_cache, tuple(aux[i] for i in taps))
 

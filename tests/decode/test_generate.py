@@ -49,6 +49,41 @@ def test_batch_equals_one_by_one(tiny):
     assert batch.tokens == single
 
 
+@pytest.mark.parametrize("fam", ["llama", "qwen3"])
+def test_packed_prefill_equals_padded(tiny, fam):
+    """Prompts back to back in one row (qwen3: sliding window 4) give the padded prefill's last
+    logits, cache rows, lengths and tapped hidden states; generation from it is token-identical."""
+    from specjax.models.target import KVCache
+
+    model, _ = tiny[fam]
+    lens = [len(p) for p in PROMPTS]
+    P = 32
+    ids = np.zeros((3, P), np.int32)
+    for i, p in enumerate(PROMPTS):
+        ids[i, : len(p)] = p
+    cache = KVCache.init(model.config, 3, P + 8)
+    taps = (1, model.config.num_hidden_layers)
+    l1, c1, a1 = gen.prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, tap_ids=taps)
+    l2, c2, a2 = gen.prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, tap_ids=taps, packed_len=24)
+    np.testing.assert_allclose(l2, l1, rtol=1e-5, atol=1e-5)
+    assert c2.lengths.tolist() == c1.lengths.tolist() == lens
+    for b, n in enumerate(lens):
+        for x, y in zip(c1.k + c1.v, c2.k + c2.v):
+            np.testing.assert_allclose(y[b, :, :n], x[b, :, :n], rtol=1e-5, atol=1e-5)
+        for x, y in zip(a1, a2):
+            np.testing.assert_allclose(y[b, :n], x[b, :n], rtol=1e-5, atol=1e-5)
+    assert gen.packed_length(lens, 32) == 32 and gen.packed_length(lens, 16) == 32 and gen.packed_length(lens, 9) == 18
+    assert gen.packed_length([5], 32) is None and gen.packed_length([30, 30], 32) is None
+    assert gen.packed_length([4] * 1000, 4) is None  # past PACK_MAX: stays padded
+    padded = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[], packed_len=None)
+    packed = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[], packed_len=17)
+    assert packed.tokens == padded.tokens
+    with pytest.raises(ValueError, match="packed_len 16 is shorter than the prompts together \\(17 tokens\\)"):
+        generate_ids(model, PROMPTS, max_new_tokens=8, packed_len=16)
+    with pytest.raises(ValueError, match="one row and a cache"):
+        model(jnp.asarray(ids), cache=cache, segments=jnp.zeros((P,), jnp.int32))
+
+
 def test_eos_stops_each_sequence_independently(tiny):
     model, _ = tiny["llama"]
     free = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[]).tokens
