@@ -3,7 +3,8 @@
 Layers (each reusable by the speculative loop):
 
 * :func:`prefill` - run right-padded prompts through the target into a fresh :class:`KVCache`,
-  returning the logits at each prompt's last token (and any tapped hidden states).
+  returning the logits at each prompt's last token (and any tapped hidden states); with
+  ``packed_len`` the prompts run back to back in one row, skipping the padding's work.
 * :class:`DecodeState` - the loop carry: output buffer, per-sequence counts/limits/done flags,
   the last emitted token, the cache, the PRNG key.
 * :func:`start` - prefill, then sample and emit the first token (the state both loops start from).
@@ -11,7 +12,8 @@ Layers (each reusable by the speculative loop):
 * :func:`emit` - append a ragged number of new tokens per sequence (k+1 for a speculative step,
   1 here) with EOS / length stopping; tokens past a stop are discarded.
 * :func:`generate_ids` - host entry: pads and buckets shapes, runs the jitted
-  prefill + ``while_loop``, returns numpy results. Same shapes -> one compile.
+  prefill + ``while_loop``, returns numpy results. Same shapes (padded prompt length, packed
+  prefill length, batch, token budget) -> one compile.
 
 Output tokens include the EOS token that stopped a sequence; ``num_tokens`` counts it.
 """
