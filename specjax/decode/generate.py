@@ -74,8 +74,7 @@ def prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids
     segc = jnp.minimum(seg, B - 1)
     pos = jnp.where(valid, t - starts[segc], 0)
     ids = jnp.where(valid, prompt_ids[segc, jnp.minimum(pos, P - 1)], 0)
-    out = model(ids[None], positions=pos[None], cache=cache, segments=jnp.where(valid, seg, -1), tap_ids=tap_ids,
-                logits_at=ends - 1)
+    out = model(ids[None], positions=pos[None], cache=cache, segments=seg, tap_ids=tap_ids, logits_at=ends - 1)
     rows = jnp.minimum(starts[:, None] + jnp.arange(P, dtype=jnp.int32)[None], packed_len - 1)  # [B, P] -> row slot
     return out.logits, out.cache, tuple(a[0][rows] for a in out.aux_hidden_states)
 
@@ -95,13 +94,8 @@ def packed_length(lens: Sequence[int], padded_len: int) -> int | None:
     :func:`prefill`): ``sum(lens)`` rounded up to a multiple of ``padded_len`` (so one padded
     length has at most ``len(lens) - 1`` packed variants to compile), or None (keep the padded
     layout) unless :func:`worth_packing`."""
-    n = -(-sum(int(x) for x in lens) // padded_len) * padded_len
+    n = bucket(sum(int(x) for x in lens), padded_len)
     return n if worth_packing(n, len(lens), padded_len) else None
-
-
-def check_packed_len(packed_len: int | None, lens: Sequence[int]) -> None:
-    if packed_len is not None and sum(int(x) for x in lens) > packed_len:
-        raise ValueError(f"packed_len {packed_len} is shorter than the prompts together ({sum(lens)} tokens)")
 
 
 def is_eos(tokens, eos_ids):
@@ -321,8 +315,9 @@ def resolve_packed_len(packed_len: int | str | None, b: "Batch") -> int | None:
     if packed_len == "auto":
         return packed_length(b.lens.tolist(), b.padded_len)
     if packed_len is not None:
-        packed_len = int(packed_len)
-        check_packed_len(packed_len, b.lens.tolist())
+        packed_len, total = int(packed_len), int(b.lens.sum())
+        if total > packed_len:
+            raise ValueError(f"packed_len {packed_len} is shorter than the prompts together ({total} tokens)")
     return packed_len
 
 

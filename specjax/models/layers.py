@@ -183,12 +183,10 @@ def write_cache(buf, positions, rows):
 
 def write_packed(buf, segments, positions, rows):
     """Heads-major KV cache write from one packed row. buf [B, Hkv, S, D]; segments int [T]
-    (the sequence of each row, -1 = padding); positions int [T]; rows [T, Hkv, D] -> buf with
-    row t at ``buf[segments[t], :, positions[t]]`` (padding and slots past S are dropped)."""
-    B, H = buf.shape[:2]
-    seg = jnp.where(segments < 0, B, segments)  # B = out of range: dropped
-    h = jnp.arange(H)[None, :]
-    return buf.at[seg[:, None], h, positions[:, None]].set(rows.astype(buf.dtype), mode="drop")
+    (the sequence of each row, >= B for padding); positions int [T]; rows [T, Hkv, D] -> buf
+    with row t at ``buf[segments[t], :, positions[t]]`` (padding and slots past S are dropped)."""
+    h = jnp.arange(buf.shape[1])[None, :]
+    return buf.at[segments[:, None], h, positions[:, None]].set(rows.astype(buf.dtype), mode="drop")
 
 
 def attend_cache(q, k, v, mask=None, *, scale: float | None = None):

@@ -93,7 +93,7 @@ class Backbone(nnx.Module):
     def __init__(self, config: TargetConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=None):
         c = config
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
-                                      embedding_init=nnx.initializers.normal(INIT_STD))
+                                  embedding_init=nnx.initializers.normal(INIT_STD))
         self.layers = nnx.List([
             DecoderLayer(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                          rngs=rngs, norm_eps=c.rms_norm_eps, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
@@ -152,8 +152,8 @@ class CausalLM(nnx.Module):
         logits_at: None for logits at every position, or int [B] / [B, K] indices into T.
 
         segments int [T] (with a cache and one packed row, ``input_ids`` [1, T]): a packed
-        prefill. Token t belongs to sequence ``segments[t]`` of the cache (-1: padding, dropped)
-        at position ``positions[0, t]``; it attends to the earlier tokens of its own sequence in
+        prefill. Token t belongs to sequence ``segments[t]`` of the cache (``>= cache.batch``:
+        padding, dropped) at position ``positions[0, t]``; it attends to the earlier tokens of its own sequence in
         the row (not to the cache) and its K/V go to that sequence's cache row. ``lengths``
         advance by each sequence's token count; ``logits_at`` int [B'] indexes the row (logits
         [B', V]). Equal to a right-padded prefill of the sequences without the padding's work.
@@ -175,7 +175,7 @@ class CausalLM(nnx.Module):
                 raise ValueError(f"a packed prefill (segments) takes one row and a cache, got input_ids {input_ids.shape}"
                                  f" and {'a' if cache is not None else 'no'} cache")
             seg = jnp.asarray(segments, jnp.int32)
-            same = (seg[:, None] == seg[None, :]) & (seg[None, :] >= 0)
+            same = (seg[:, None] == seg[None, :]) & (seg[None, :] < cache.batch)
             kv_pos = positions[0]
             q_pos, kv_valid = positions, None
         elif cache is not None:
@@ -237,7 +237,7 @@ class CausalLM(nnx.Module):
         new_cache = None
         if cache is not None:
             if packed:
-                adv = jnp.zeros((cache.batch,), jnp.int32).at[jnp.where(seg < 0, cache.batch, seg)].add(1, mode="drop")
+                adv = jnp.zeros((cache.batch,), jnp.int32).at[seg].add(1, mode="drop")
             else:
                 adv = T if attention_mask is None else attention_mask.astype(jnp.int32).sum(-1)
             new_cache = KVCache(tuple(new_k), tuple(new_v), cache.lengths + adv)

@@ -132,7 +132,7 @@ def init_vocab(module, spec: DecoderSpec, draft_vocab_size: int, *, rngs: nnx.Rn
     module.vocab_size = V
     module.draft_vocab_size = int(draft_vocab_size)
     module.embed_tokens = Embed(V, H, rngs=rngs, param_dtype=param_dtype,
-                                    embedding_init=nnx.initializers.normal(INIT_STD))
+                                embedding_init=nnx.initializers.normal(INIT_STD))
     module.lm_head = dense(H, draft_vocab_size, bias=False, rngs=rngs, param_dtype=param_dtype)
     if verifier_heads:
         module.verifier_lm_head = dense(H, draft_vocab_size, bias=False, rngs=rngs, param_dtype=param_dtype)

@@ -60,7 +60,7 @@ class MarkovHead(nnx.Module):
         self.head_type = head_type
         self.rank = rank
         self.markov_w1 = Embed(vocab_size, rank, rngs=rngs, param_dtype=param_dtype,
-                                   embedding_init=nnx.initializers.normal(0.01))
+                               embedding_init=nnx.initializers.normal(0.01))
         self.markov_w2 = dense(rank, draft_vocab_size, bias=False, rngs=rngs, param_dtype=param_dtype)
         self.gate_proj = dense(hidden + rank, rank, bias=True, rngs=rngs, param_dtype=param_dtype) \
             if head_type == "gated" else None
