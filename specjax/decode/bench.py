@@ -44,7 +44,8 @@ from flax import nnx
 from specjax.decode.generate import bucket, generate_ids, worth_packing
 from specjax.decode.sampling import GREEDY, SamplingParams
 from specjax.decode.spec_stats import SpecStats, alpha_from_tau, predicted_speedup
-from specjax.decode.speculative import SpecDraft, place_pair, resolve_k, speculative_generate_ids, split_pair
+from specjax.decode.speculative import _Pair, SpecDraft, place_pair, resolve_k, speculative_generate_ids, split_pair
+from specjax.models import panels
 from specjax.models.drafts.common import greedy
 from specjax.models.target import KVCache
 
@@ -139,6 +140,8 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
         if split is None:
             split = place_pair(target, draft, mesh)
     graphdef, state = split if split is not None else split_pair(target, draft)
+    if mesh is None:  # the weights the single-device loop runs on (speculative_generate_ids)
+        state = panels.decode_state(_Pair(target, draft), state)
     cfg = target.config
     S = prompt_len + max_new_tokens
     fill_host = np.full((batch,), prompt_len + max_new_tokens // 2, np.int32)

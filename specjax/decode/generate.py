@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.decode.sampling import GREEDY, SamplingParams, sample
+from specjax.models import panels
 from specjax.models.errors import ContextLengthError
 from specjax.models.target import CausalLM, KVCache
 
@@ -366,6 +367,7 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
                                 stop_reasons=["eos" if e else "length" for e in eos_hit],
                                 prompt_lengths=b.lens.tolist())
     packed_len = resolve_packed_len(packed_len, b)
+    params = panels.decode_state(model, params)
     toks, num, eos_hit = _generate_jit(graphdef, params, jnp.asarray(b.ids), jnp.asarray(b.lens),
                                        jnp.asarray(b.limits), jax.random.key(seed), jnp.asarray(b.eos, jnp.int32),
                                        max_new_tokens=int(max_new_tokens), max_len=int(max_len), sampling=sampling,

@@ -49,6 +49,7 @@ from specjax.decode.generate import (
 from specjax.decode.sampling import SamplingParams
 from specjax.decode.spec_stats import SpecStats
 from specjax.models.drafts.common import d2t_of, greedy
+from specjax.models import panels
 from specjax.models.errors import ModelError
 from specjax.models.target import CausalLM
 
@@ -469,6 +470,7 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
                             max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len),
                             cache_dtype=cache_dtype_of(target), draft_dtype=ddtype, trace=bool(trace))
         return _result(out, b, len(prompts), kk, vak, tol, trace)
+    state = panels.decode_state(_Pair(target, sd.module), state)
     out = _spec_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
                     jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), jnp.asarray([vak, tol], jnp.float32),
                     params=params,

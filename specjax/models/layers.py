@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.models import panels
 from specjax.models.rope import apply_rope
 
 INIT_STD = 0.02  # HF initializer_range default; speculators inits Linear/Embedding N(0, 0.02)
@@ -110,10 +111,24 @@ def dot_general_f32acc(lhs, rhs, dimension_numbers, precision=None, preferred_el
                                preferred_element_type=preferred_element_type, out_sharding=out_sharding)
 
 
+class Dense(nnx.Linear):
+    """``nnx.Linear`` that runs on the panel kernel when its kernel is a decode-time
+    :class:`specjax.models.panels.Paneled` and the input fits it (a few float32 rows on the CPU)."""
+
+    def __call__(self, inputs, out_sharding=None):
+        kernel = self.kernel.get_value()
+        if not (isinstance(kernel, panels.Paneled) and out_sharding is None and panels.fits(inputs)):
+            return super().__call__(inputs, out_sharding=out_sharding)
+        y = panels.matmul(inputs, kernel.packed)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
 def dense(in_features: int, out_features: int, *, bias: bool, rngs: nnx.Rngs, param_dtype=jnp.float32,
-          dtype=None) -> nnx.Linear:
-    return nnx.Linear(in_features, out_features, use_bias=bias, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
-                      kernel_init=nnx.initializers.normal(INIT_STD), dot_general=dot_general_f32acc)
+          dtype=None) -> Dense:
+    return Dense(in_features, out_features, use_bias=bias, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
+                 kernel_init=nnx.initializers.normal(INIT_STD), dot_general=dot_general_f32acc)
 
 
 class Embed(nnx.Embed):
@@ -135,6 +150,14 @@ class Embed(nnx.Embed):
         if out_sharding is not None:
             return super().__call__(inputs, out_sharding=out_sharding)
         return jnp.take(table, inputs, axis=0)
+
+    def attend(self, query, out_sharding=None):
+        """``query @ embedding^T`` (a tied LM head); on the panel kernel for a decode-time
+        :class:`specjax.models.panels.Paneled` table and a query that fits it."""
+        table = self.embedding.get_value()
+        if isinstance(table, panels.Paneled) and out_sharding is None and panels.fits(query):
+            return panels.matmul(query, table.packed)
+        return super().attend(query, out_sharding=out_sharding)
 
 
 class RMSNorm(nnx.Module):

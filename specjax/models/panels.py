@@ -1,0 +1,209 @@
+"""Panel-packed weights for CPU decoding: ``Dense`` kernels (and a tied LM head) stored as
+contiguous column panels, multiplied by the native kernel of :mod:`specjax.kernels`.
+
+A decode step multiplies a few rows (the batch, or the k+1 tokens being verified) by every weight
+once, so it runs at the speed the weights stream from memory. XLA's CPU dot reads a row-major
+``[K, N]`` kernel at a stride of N floats per row; measured on SmolLM2's layer shapes (2 cores),
+it streams about 39 GB/s at 1 row and 33 GB/s at 4 rows, the panel kernel 72 and 63 GB/s.
+
+Layout: a kernel ``w`` [K, N] becomes ``wp`` [N / Wd, K, Wd] with ``wp[p, k, j] = w[k, p Wd + j]``
+(:func:`pack`); a tied embedding ``E`` [V, H] becomes the panels of ``E^T`` (:func:`pack_embedding`),
+from which a lookup gathers ``E[v] = wp[v // Wd, :, v % Wd]``. ``Wd`` (16, 32 or 64) is chosen by
+:func:`panel_width` so that there are enough panels to share out over the threads.
+
+Packing is a decode-time view of the params (:func:`decode_state`): the module is not touched,
+training never sees it, and the packed arrays are cached per source array, so repeated generate
+calls on the same model pack once. Only float32 kernels are packed, and only when the kernels
+built (:func:`specjax.kernels.available`); sharded runs keep the plain layout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import OrderedDict
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax import kernels
+
+MAX_ROWS = 32  # rows (batch x tokens) up to which the panel kernel runs; longer inputs (prefill) use XLA's dot
+WIDTHS = (64, 32, 16)
+MIN_PANELS = 8  # prefer the widest panel that still gives this many (work units for the threads)
+
+
+def panel_width(n: int) -> int | None:
+    """Panel width for an output dimension ``n``: the widest of 64/32/16 dividing it with at
+    least ``MIN_PANELS`` panels, else the narrowest dividing it; None when 16 does not divide it."""
+    fits = [w for w in WIDTHS if n % w == 0]
+    if not fits:
+        return None
+    wide = [w for w in fits if n // w >= MIN_PANELS]
+    return wide[0] if wide else fits[-1]
+
+
+def pack(w, width: int | None = None):
+    """Kernel [K, N] -> panels [N / Wd, K, Wd]."""
+    K, N = w.shape
+    width = width or panel_width(N)
+    if width is None or N % width:
+        raise ValueError(f"cannot pack a [{K}, {N}] kernel into panels of {width}: N must be a multiple of 16")
+    return jnp.transpose(jnp.reshape(w, (K, N // width, width)), (1, 0, 2))
+
+
+def pack_embedding(e, width: int | None = None):
+    """Embedding [V, H] -> the panels of its transpose, [V / Wd, H, Wd] (the tied LM head)."""
+    V, H = e.shape
+    width = width or panel_width(V)
+    if width is None or V % width:
+        raise ValueError(f"cannot pack a [{V}, {H}] embedding into panels of {width}: V must be a multiple of 16")
+    return jnp.transpose(jnp.reshape(e, (V // width, width, H)), (0, 2, 1))
+
+
+def unpack(wp):
+    """Panels [P, K, Wd] -> kernel [K, P Wd]."""
+    P, K, W = wp.shape
+    return jnp.reshape(jnp.transpose(wp, (1, 0, 2)), (K, P * W))
+
+
+def fits(x) -> bool:
+    """The panel kernel takes this input: float32, at most :data:`MAX_ROWS` rows (batch x tokens)
+    -- more rows (a prefill) are compute-bound, where XLA's GEMM on the plain kernel is the better
+    choice -- and the kernels are available."""
+    return x.dtype == jnp.float32 and math.prod(x.shape[:-1]) <= MAX_ROWS and kernels.available()
+
+
+def matmul(x, wp):
+    """``x @ w`` on the panel kernel: ``x`` [..., K] float32 and packed ``wp`` [P, K, Wd] ->
+    float32 [..., P Wd]. Needs :func:`specjax.kernels.available`."""
+    P, K, W = wp.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"panel matmul: x has {x.shape[-1]} features, the packed kernel expects {K}")
+    if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
+        raise TypeError(f"panel matmul takes float32, got x {x.dtype} and panels {wp.dtype}")
+    lead = x.shape[:-1]
+    M = math.prod(lead)
+    y = jax.ffi.ffi_call("specjax_panel_matmul", jax.ShapeDtypeStruct((M, P * W), jnp.float32),
+                         vmap_method="sequential")(jnp.reshape(x, (M, K)), wp)
+    return jnp.reshape(y, (*lead, P * W))
+
+
+@jax.tree_util.register_pytree_node_class
+class Paneled:
+    """A weight in both layouts, the value of a ``Dense.kernel`` (or a tied embedding) in a
+    decode-time state: ``plain`` (the param as it is, shared with the module) and ``packed`` (its
+    panels). It reads as the plain array -- ``variable[...]``, ``.shape``, ``.dtype``,
+    ``jnp.asarray`` -- so code that is not panel-aware sees the ordinary param; ``Dense`` and
+    ``Embed.attend`` take ``packed`` for inputs that :func:`fits`."""
+
+    __slots__ = ("plain", "packed")
+
+    def __init__(self, plain, packed):
+        self.plain, self.packed = plain, packed
+
+    def tree_flatten(self):
+        return (self.plain, self.packed), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    def __getitem__(self, index):
+        return self.plain[index]
+
+    def __jax_array__(self):
+        return self.plain
+
+    shape = property(lambda self: self.plain.shape)
+    dtype = property(lambda self: self.plain.dtype)
+    ndim = property(lambda self: self.plain.ndim)
+    size = property(lambda self: self.plain.size)
+
+    def __repr__(self):
+        return f"Paneled({self.plain.shape} {self.plain.dtype}, panels {self.packed.shape})"
+
+
+# ----------------------------------------------------------------------------- decode-time state
+
+
+def packable(root) -> dict:
+    """State paths of ``root`` to pack: ``{path: "kernel" | "embedding"}`` for every ``Dense``
+    kernel (float32, 2-D, output dim a multiple of 16) and every tied target LM head's embedding."""
+    from specjax.models.layers import Dense
+
+    out = {}
+    for path, node in nnx.iter_graph(root):
+        if isinstance(node, Dense):
+            k = node.kernel.get_value()
+            if k.ndim == 2 and k.dtype == jnp.float32 and panel_width(k.shape[1]):
+                out[tuple(path) + ("kernel",)] = "kernel"
+        elif getattr(node, "lm_head", 0) is None and hasattr(node, "model") and hasattr(node.model, "embed_tokens"):
+            e = node.model.embed_tokens.embedding.get_value()
+            if e.ndim == 2 and e.dtype == jnp.float32 and panel_width(e.shape[0]):
+                out[tuple(path) + ("model", "embed_tokens", "embedding")] = "embedding"
+    return out
+
+
+class _Cache:
+    """Packed arrays per source array (keyed by ``id``, holding the source so the id stays
+    unique), least recently used dropped past ``SPECJAX_PANEL_CACHE_GB`` (default 16)."""
+
+    def __init__(self):
+        self.items: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, x, kind: str):
+        key = (id(x), kind)
+        with self.lock:
+            hit = self.items.get(key)
+            if hit is not None and hit[0] is x:
+                self.items.move_to_end(key)
+                return hit[1]
+        packed = _PACKERS[kind](x)
+        limit = float(os.environ.get("SPECJAX_PANEL_CACHE_GB", "16")) * 2 ** 30
+        with self.lock:
+            self.items[key] = (x, packed)
+            total = sum(p.nbytes for _, p in self.items.values())
+            while total > limit and len(self.items) > 1:
+                _, (_, p) = self.items.popitem(last=False)
+                total -= p.nbytes
+        return packed
+
+    def clear(self):
+        with self.lock:
+            self.items.clear()
+
+
+_PACKERS = {"kernel": jax.jit(pack), "embedding": jax.jit(pack_embedding)}
+CACHE = _Cache()
+
+
+def _single_device(x) -> bool:
+    return isinstance(x, jax.Array) and len(x.sharding.device_set) == 1
+
+
+def decode_state(root, state):
+    """``state`` (``nnx.split(root)[1]``) with the :func:`packable` params in panel layout, for
+    a single-device CPU decode when the kernels are available; else ``state`` unchanged."""
+    if not kernels.available():
+        return state
+    paths = packable(root)
+    if not paths:
+        return state
+    leaves = jax.tree_util.tree_leaves(state)
+    if not all(_single_device(x) for x in leaves):
+        return state
+
+    def swap(kp, x):
+        path = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in kp)
+        if path and path[-1] == "value":
+            path = path[:-1]
+        kind = paths.get(path)
+        return x if kind is None else Paneled(x, CACHE.get(x, kind))
+
+    return jax.tree_util.tree_map_with_path(swap, state)
+
+
