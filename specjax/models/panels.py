@@ -30,7 +30,7 @@ from flax import nnx
 
 from specjax import kernels
 
-MAX_ROWS = 32  # rows (batch x tokens) up to which the panel kernel runs; longer inputs (prefill) use XLA's dot
+MAX_ROWS = 16  # rows (batch x tokens) up to which the panel kernel runs; longer inputs (prefill) use XLA's dot
 WIDTHS = (64, 32, 16)
 MIN_PANELS = 8  # prefer the widest panel that still gives this many (work units for the threads)
 
