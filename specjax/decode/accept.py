@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.decode.sampling import SamplingParams, process_logits
+from specjax.models.layers import first_argmax
 
 
 class AcceptResult(NamedTuple):
@@ -92,7 +93,7 @@ def accept_greedy(target_logits, draft_tokens, *, verifier_accept_k: int = 1,
                   accept_tolerance: float = 0.0) -> AcceptResult:
     """Greedy verification: accept while ``d_i == argmax p_i`` (or the relaxed rule), then the argmax."""
     target_logits = target_logits.astype(jnp.float32)
-    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
+    best = first_argmax(target_logits)  # [B, k+1]
     k = draft_tokens.shape[-1]
     ok = draft_tokens == best[:, :k]
     if _maybe_relaxed(verifier_accept_k, accept_tolerance):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from specjax.models.layers import first_argmax
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -60,12 +62,12 @@ def process_logits(logits, params: SamplingParams):
 def probs(logits, params: SamplingParams):
     """The distribution tokens are drawn from, float32 [..., V]."""
     if params.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+        return jax.nn.one_hot(first_argmax(logits), logits.shape[-1], dtype=jnp.float32)
     return jax.nn.softmax(process_logits(logits, params), axis=-1)
 
 
 def sample(key, logits, params: SamplingParams):
     """Draw token ids int32 [...] from logits [..., V]."""
     if params.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return first_argmax(logits)
     return jax.random.categorical(key, process_logits(logits, params), axis=-1).astype(jnp.int32)

@@ -180,6 +180,18 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * normed.astype(x.dtype)
 
 
+def first_argmax(x, axis: int = -1):
+    """``jnp.argmax`` (int32, the first maximum on ties) as two plain reductions: the max, then
+    the smallest index that reaches it. XLA's CPU backend runs argmax's paired (value, index)
+    reduction 4-7x slower (measured 0.86 vs 0.12 ms over SmolLM2's 49152 logits at batch 4), and
+    decoding takes one per target and draft step, training one per scored position. Rows holding
+    NaN give ``x.shape[axis]`` (no index) instead of the NaN's index."""
+    axis = axis % x.ndim
+    m = jnp.max(x, axis=axis, keepdims=True)
+    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.min(jnp.where(x == m, idx, x.shape[axis]), axis=axis)
+
+
 def attend(q, k, v, mask=None, *, scale: float | None = None, bias=None):
     """Scaled dot-product attention through ``jax.nn.dot_product_attention`` with GQA.
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.drafts.spec import DecoderSpec
-from specjax.models.layers import INIT_STD, Embed, RMSNorm, attend, dense
+from specjax.models.layers import INIT_STD, Embed, RMSNorm, attend, dense, first_argmax
 from specjax.models.rope import apply_rope
 
 
@@ -178,7 +178,7 @@ def last_rows(n_valid, n: int):
 
 def greedy(logits, key=None):  # noqa: ARG001
     """Default draft sampler: argmax (first index on ties, like torch)."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return first_argmax(logits)
 
 
 def frozen_params(model) -> tuple[str, ...]:

@@ -1,0 +1,167 @@
+"""The CPU panel kernel and the decode-time panel layout: the kernel against float64 numpy over
+ragged shapes, the pack/unpack round trip, which params a decode state packs (and that the
+module is left alone), forward parity with the plain layout, identical generation with the
+kernels on and off, and the fall-back when the kernels cannot be built."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax import kernels
+from specjax.decode.generate import generate_ids
+from specjax.models import panels
+from specjax.models.hf import load_hf_dir
+from specjax.models.target import KVCache
+from tests.refs.speculators_ckpts import make_verifier
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels unavailable: {kernels.status()}")
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """A tiny Llama whose LM head is its embedding (as SmolLM2's)."""
+    return load_hf_dir(make_verifier(tmp_path_factory.mktemp("panels") / "tied", "llama", tie_word_embeddings=True))
+
+
+def test_panel_width():
+    assert [panels.panel_width(n) for n in (576, 192, 1536, 49152, 96, 48, 100, 16)] == [64, 16, 64, 64, 16, 16,
+                                                                                       None, 16]
+    assert panels.panel_width(512) == 64 and panels.panel_width(256) == 32  # 8 panels of 32 beat 4 of 64
+
+
+def test_pack_round_trip_is_exact():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((40, 96)).astype(np.float32)
+    for width in (16, 32):
+        wp = panels.pack(jnp.asarray(w), width)
+        assert wp.shape == (96 // width, 40, width)
+        np.testing.assert_array_equal(np.asarray(wp)[1, 3], w[3, width:2 * width])
+        np.testing.assert_array_equal(np.asarray(panels.unpack(wp)), w)
+    e = rng.standard_normal((96, 40)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(panels.unpack(panels.pack_embedding(jnp.asarray(e)))), e.T)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        panels.pack(jnp.zeros((4, 40)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("K,N", [(7, 16), (64, 48), (100, 96), (576, 192), (300, 2048)])
+def test_kernel_matches_float64(M, K, N):
+    rng = np.random.default_rng(M * 1000 + K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    y = np.asarray(jax.jit(panels.matmul)(jnp.asarray(x), panels.pack(jnp.asarray(w))))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    assert y.shape == (M, N) and y.dtype == np.float32
+    assert np.abs(y - want).max() <= 1e-5 * np.sqrt(K) * np.abs(want).max()
+
+
+@needs_kernels
+def test_kernel_leading_dims_and_errors():
+    x = jnp.ones((2, 3, 32), jnp.float32)
+    wp = panels.pack(jnp.ones((32, 16), jnp.float32))
+    np.testing.assert_allclose(np.asarray(panels.matmul(x, wp)), np.full((2, 3, 16), 32.0))
+    with pytest.raises(ValueError, match="expects 32"):
+        panels.matmul(jnp.ones((1, 8), jnp.float32), wp)
+    with pytest.raises(TypeError, match="float32"):
+        panels.matmul(x.astype(jnp.bfloat16), wp)
+
+
+def test_paneled_reads_as_the_plain_param():
+    w = jnp.arange(64.0, dtype=jnp.float32).reshape(4, 16)
+    p = panels.Paneled(w, panels.pack(w))
+    v = nnx.Param(p)
+    np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(w))
+    assert (p.shape, p.dtype, p.ndim) == (w.shape, w.dtype, 2)
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(p)), np.asarray(w))
+    leaves = jax.tree_util.tree_leaves(p)
+    assert len(leaves) == 2 and leaves[1].shape == (1, 4, 16)
+
+
+@needs_kernels
+def test_decode_state_packs_kernels_and_the_tied_head(tied):
+    graphdef, state = nnx.split(tied)
+    before = jax.tree_util.tree_leaves(state)
+    view = panels.decode_state(tied, state)
+    flat = dict(nnx.to_flat_state(view))
+    paneled = sorted(".".join(map(str, k)) for k, v in flat.items() if isinstance(v.get_value(), panels.Paneled))
+    n = tied.config.num_hidden_layers
+    assert len(paneled) == 7 * n + 1 and "model.embed_tokens.embedding" in paneled
+    assert not any("norm" in p for p in paneled)
+    # the module and the state it was split into are untouched
+    assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(state), before))
+    assert all(not isinstance(v.get_value(), panels.Paneled) for _, v in nnx.to_flat_state(nnx.split(tied)[1]))
+    # a second view reuses the packed arrays
+    again = dict(nnx.to_flat_state(panels.decode_state(tied, state)))
+    key = ("model", "layers", 0, "mlp", "up_proj", "kernel")
+    assert again[key].get_value().packed is flat[key].get_value().packed
+
+
+def test_decode_state_is_plain_when_disabled(tied, monkeypatch):
+    monkeypatch.setenv("SPECJAX_CPU_KERNELS", "0")
+    _, state = nnx.split(tied)
+    assert panels.decode_state(tied, state) is state
+
+
+def test_bf16_params_are_not_packed(tmp_path):
+    m = load_hf_dir(make_verifier(tmp_path / "bf", "llama"), dtype=jnp.bfloat16)
+    assert panels.packable(m) == {}
+
+
+@needs_kernels
+def test_forward_on_panels_equals_plain(tied):
+    """Decode steps (1 and 4 rows per sequence) on the panel view give the plain logits within
+    float32 rounding; a prefill of more than MAX_ROWS rows takes the plain kernels (bit-equal)."""
+    graphdef, state = nnx.split(tied)
+    view = panels.decode_state(tied, state)
+    cfg = tied.config
+    rng = np.random.default_rng(1)
+
+    @jax.jit
+    def fwd(st, ids, cache):
+        out = nnx.merge(graphdef, st)(ids, cache=cache)
+        return out.logits, out.cache
+
+    prompt = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 24)), jnp.int32)
+    cache = KVCache.init(cfg, 2, 40)
+    lp, cp = fwd(state, prompt, cache)
+    lv, cv = fwd(view, prompt, cache)
+    np.testing.assert_array_equal(np.asarray(lp), np.asarray(lv))
+    for T in (1, 4):
+        ids = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, T)), jnp.int32)
+        a, _ = fwd(state, ids, cp)
+        b, _ = fwd(view, ids, cv)
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+
+
+@needs_kernels
+def test_generation_identical_with_kernels_on_and_off(tied, monkeypatch):
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
+    on = generate_ids(tied, prompts, max_new_tokens=12, eos_token_ids=[])
+    monkeypatch.setenv("SPECJAX_CPU_KERNELS", "0")
+    off = generate_ids(tied, prompts, max_new_tokens=12, eos_token_ids=[])
+    assert on.tokens == off.tokens
+
+
+def test_failed_build_falls_back_to_xla(tied, monkeypatch, tmp_path):
+    """No working compiler: one warning naming the failure, ``available()`` False, decode states
+    stay plain and generation still runs (XLA's dots)."""
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_compiler", lambda: "/bin/false")
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    with pytest.warns(UserWarning, match="CPU kernels unavailable.*failed building panel_matmul.cc"):
+        assert not kernels.load()
+    assert kernels.status()["reason"] and not kernels.available()
+    _, state = nnx.split(tied)
+    assert panels.decode_state(tied, state) is state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # remembered: no second warning
+        res = generate_ids(tied, [[5, 6, 7]], max_new_tokens=3, eos_token_ids=[])
+    assert len(res.tokens[0]) == 3
