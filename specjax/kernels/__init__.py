@@ -21,8 +21,8 @@ import threading
 import warnings
 from pathlib import Path
 
-SOURCES = ("panel_matmul.cc",)
-TARGETS = ("specjax_panel_matmul",)
+SOURCES = ("panel_matmul.cc", "decode_attention.cc")
+TARGETS = ("specjax_panel_matmul", "specjax_decode_attention")
 
 _lock = threading.Lock()
 _state: dict = {}

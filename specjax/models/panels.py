@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax import kernels
@@ -89,6 +90,29 @@ def matmul(x, wp):
     y = jax.ffi.ffi_call("specjax_panel_matmul", jax.ShapeDtypeStruct((M, P * W), jnp.float32),
                          vmap_method="sequential")(jnp.reshape(x, (M, K)), wp)
     return jnp.reshape(y, (*lead, P * W))
+
+
+def decode_attention(q, k, v, positions, *, window: int | None, scale: float):
+    """Attention of a few query tokens over a heads-major cache on the native kernel, reading only
+    the visible slots: ``q`` [B, T, Hq, D], ``k``/``v`` [B, Hkv, S, D], ``positions`` int [B, T]
+    -> [B, T, Hq, D]. Slot j is visible from query (b, t) iff ``j <= positions[b, t]`` (and
+    ``j > positions[b, t] - window``): :func:`specjax.models.layers.attend_cache` under
+    :func:`specjax.models.layers.causal_mask`, which scores all S slots and masks. All float32."""
+    B, T, Hq, D = q.shape
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.dtype != jnp.float32:
+            raise TypeError(f"decode attention takes float32, got {name} {a.dtype}")
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1]:
+        raise ValueError(f"decode attention: q {q.shape} does not fit k {k.shape} / v {v.shape}")
+    return jax.ffi.ffi_call("specjax_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")(q, k, v, jnp.asarray(positions, jnp.int32),
+                                                      window=np.int64(window or 0), scale=np.float32(scale))
+
+
+def in_view(dense) -> bool:
+    """``dense`` (a layer's ``Dense``) holds a decode-time :class:`Paneled` kernel: the forward
+    runs in :func:`decode_state`'s view (single-device CPU, kernels available)."""
+    return isinstance(dense.kernel.get_value(), Paneled)
 
 
 @jax.tree_util.register_pytree_node_class

@@ -42,6 +42,7 @@ from flax import nnx
 
 from specjax.models.config import TargetConfig
 from specjax.models.errors import ContextLengthError, TapIdError, UnknownArchitectureError
+from specjax.models import panels
 from specjax.models.layers import (INIT_STD, DecoderLayer, Embed, RMSNorm, attend, attend_cache, causal_mask, dense,
                                    write_cache, write_packed)
 from specjax.models.rope import apply_rope, rope_cos_sin
@@ -213,7 +214,10 @@ class CausalLM(nnx.Module):
                 k, v = write_cache(cache.k[i], positions, k), write_cache(cache.v[i], positions, v)
                 new_k.append(k)
                 new_v.append(v)
-                o = attend_cache(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)
+                if panels.in_view(attn.q_proj) and panels.fits(q.reshape(B * T, -1)) and k.dtype == jnp.float32:
+                    o = panels.decode_attention(q, k, v, positions, window=layer.sliding_window, scale=attn.scaling)
+                else:
+                    o = attend_cache(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)
             else:
                 o = attend(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)
             x = x + attn.output(o)

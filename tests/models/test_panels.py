@@ -165,3 +165,38 @@ def test_failed_build_falls_back_to_xla(tied, monkeypatch, tmp_path):
         warnings.simplefilter("error")  # remembered: no second warning
         res = generate_ids(tied, [[5, 6, 7]], max_new_tokens=3, eos_token_ids=[])
     assert len(res.tokens[0]) == 3
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,window", [(4, 1, 9, 3, 64, None), (1, 4, 9, 3, 64, None), (2, 3, 8, 2, 128, 5),
+                                                  (1, 2, 12, 1, 64, None), (2, 1, 4, 4, 24, 3), (3, 2, 6, 2, 16, 1)])
+def test_decode_attention_equals_masked_attention(B, T, Hq, Hkv, D, window):
+    """The kernel against ``attend_cache`` under ``causal_mask`` over all S slots: D of 64 / 128
+    (vector paths) and 24 (scalar), G from 1 to 12 (groups of 8), windows, a query past the cache
+    end (all slots visible) and ragged positions."""
+    from specjax.models.layers import attend_cache, causal_mask
+
+    S = 40
+    rng = np.random.default_rng(B * 100 + T * 10 + D)
+    q = jnp.asarray(rng.standard_normal((B, T, Hq, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), jnp.float32)
+    start = rng.integers(0, S - T, B)
+    # positions past the last slot: every slot is visible (with a window, the last ones are)
+    start[0] = S + 3 - T if window is None else S - T
+    pos = jnp.asarray(start[:, None] + np.arange(T)[None], jnp.int32)
+    want = attend_cache(q, k, v, causal_mask(pos, jnp.arange(S, dtype=jnp.int32), sliding_window=window),
+                        scale=D ** -0.5)
+    got = jax.jit(lambda *a: panels.decode_attention(*a, window=window, scale=D ** -0.5))(q, k, v, pos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernels
+def test_decode_attention_errors():
+    q = jnp.zeros((1, 1, 4, 16), jnp.float32)
+    kv = jnp.zeros((1, 3, 8, 16), jnp.float32)
+    with pytest.raises(ValueError, match="does not fit"):
+        panels.decode_attention(q, kv, kv, jnp.zeros((1, 1), jnp.int32), window=None, scale=1.0)
+    with pytest.raises(TypeError, match="float32"):
+        panels.decode_attention(q.astype(jnp.bfloat16), kv[:, :2], kv[:, :2], jnp.zeros((1, 1), jnp.int32),
+                                window=None, scale=1.0)

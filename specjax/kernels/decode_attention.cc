@@ -1,0 +1,245 @@
+// specjax CPU kernel: attention of a few query tokens over a heads-major KV cache, reading only
+// the slots each query can see.
+//
+//   q    [B, T, Hq, D]   float32 (rotated, normed)
+//   k, v [B, Hkv, S, D]  float32 (the cache, this step's tokens already written)
+//   pos  [B, T]          int32: query t of sequence b sits at position pos[b, t]
+//   attrs: window (int64, 0 = none), scale (float32)
+//   out  [B, T, Hq, D]   float32
+//
+// Key slot j is visible from query (b, t) iff j <= pos[b, t] and, with a window W,
+// j > pos[b, t] - W (slot == position, as specjax.models.target's cache contract says). That
+// is the mask the XLA path builds (layers.causal_mask over arange(S)); the XLA path then scores
+// every slot of the cache and masks, so a decode step pays for max_len slots whatever the
+// sequence's length, while this kernel reads only [lo, hi] of each row. Softmax in float32 with
+// the max subtracted. A query that sees no slot gets zeros (the XLA path gives finite garbage;
+// no caller reads either).
+//
+// Work units are (b, t, kv head), shared out over XLA's intra-op pool as in panel_matmul.cc;
+// a unit loads each visible key and value row once for the kv head's G query heads.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+static inline void cpu_relax_att() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+struct AttJob {
+  const float *q, *k, *v;
+  const int32_t* pos;
+  float* out;
+  int64_t B, T, Hq, Hkv, S, D, window;
+  float scale;
+  int64_t units;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+static inline v16 ld(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+static inline void st(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+
+// exp for x <= 0 (softmax after the max is subtracted), relative error ~1e-7: 2^n * 2^f with
+// n = round(x log2 e), |f| <= 1/2, 2^f from its degree-7 Taylor polynomial. Below -87 -> 0.
+static inline v16 vexp(v16 x) {
+  const v16 lo = x - x - 87.0f;
+  x = x < lo ? lo : x;
+  v16 t = x * 1.4426950408889634f;
+  v16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
+  v16 f = (t - n) * 0.6931471805599453f;     // in [-ln2/2, ln2/2]
+  v16 p = 1.0f / 5040 + f * 0.0f;
+  p = p * f + 1.0f / 720;
+  p = p * f + 1.0f / 120;
+  p = p * f + 1.0f / 24;
+  p = p * f + 1.0f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
+  v16 r = p * reinterpret_cast<v16&>(e);
+  return x <= -87.0f ? v16{} : r;
+}
+
+static inline float hsum(v16 x) {  // tree reduction: 4 shuffles and adds instead of 15 serial adds
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return x[0];
+}
+
+// G query rows of one kv head against slots [lo, hi]: each key and value row is loaded once for
+// all G rows. C = D / 16 vectors per row. lg: G rows of S + 16 floats.
+template <int C>
+static void att_group(const float* const* qr, int64_t G, const float* kb, const float* vb, int64_t lo, int64_t hi,
+                      float scale, float* lg, int64_t ld_lg, float* const* o) {
+  constexpr int64_t D = 16 * C;
+  v16 qv[8][C];
+  float mx[8];
+  for (int64_t g = 0; g < G; g++) {
+    for (int c = 0; c < C; c++) qv[g][c] = ld(qr[g] + 16 * c) * scale;
+    mx[g] = -INFINITY;
+  }
+  for (int64_t s = lo; s <= hi; s++) {
+    v16 kv[C];
+    for (int c = 0; c < C; c++) kv[c] = ld(kb + s * D + 16 * c);
+    for (int64_t g = 0; g < G; g++) {
+      v16 acc = qv[g][0] * kv[0];
+      for (int c = 1; c < C; c++) acc += qv[g][c] * kv[c];
+      float a = hsum(acc);
+      lg[g * ld_lg + s] = a;
+      mx[g] = std::max(mx[g], a);
+    }
+  }
+  float inv[8];
+  for (int64_t g = 0; g < G; g++) {
+    float* l = lg + g * ld_lg;
+    float sum = 0.0f;
+    int64_t s = lo;
+    for (; s + 16 <= hi + 1; s += 16) {
+      v16 e = vexp(ld(l + s) - mx[g]);
+      st(l + s, e);
+      sum += hsum(e);
+    }
+    for (; s <= hi; s++) {
+      float e = std::exp(l[s] - mx[g]);
+      l[s] = e;
+      sum += e;
+    }
+    inv[g] = 1.0f / sum;
+  }
+  v16 ov[8][C];
+  for (int64_t g = 0; g < G; g++)
+    for (int c = 0; c < C; c++) ov[g][c] = v16{};
+  for (int64_t s = lo; s <= hi; s++) {
+    v16 vv[C];
+    for (int c = 0; c < C; c++) vv[c] = ld(vb + s * D + 16 * c);
+    for (int64_t g = 0; g < G; g++) {
+      const float w = lg[g * ld_lg + s];
+      for (int c = 0; c < C; c++) ov[g][c] += w * vv[c];
+    }
+  }
+  for (int64_t g = 0; g < G; g++)
+    for (int c = 0; c < C; c++) st(o[g] + 16 * c, ov[g][c] * inv[g]);
+}
+
+// The same for any D and G, one row at a time (no vectors).
+static void att_row_scalar(const float* qr, const float* kb, const float* vb, int64_t lo, int64_t hi, int64_t D,
+                           float scale, float* lg, float* o) {
+  float mx = -INFINITY;
+  for (int64_t s = lo; s <= hi; s++) {
+    float a = 0.0f;
+    for (int64_t d = 0; d < D; d++) a += qr[d] * kb[s * D + d];
+    lg[s] = a * scale;
+    mx = std::max(mx, lg[s]);
+  }
+  float sum = 0.0f;
+  for (int64_t s = lo; s <= hi; s++) {
+    lg[s] = std::exp(lg[s] - mx);
+    sum += lg[s];
+  }
+  std::fill(o, o + D, 0.0f);
+  for (int64_t s = lo; s <= hi; s++)
+    for (int64_t d = 0; d < D; d++) o[d] += lg[s] / sum * vb[s * D + d];
+}
+
+// One unit: the G query heads of kv head kh for token (b, t).
+static void att_unit(const AttJob& j, int64_t u, std::vector<float>& logits) {
+  const int64_t kh = u % j.Hkv, bt = u / j.Hkv, b = bt / j.T, G = j.Hq / j.Hkv, D = j.D, S = j.S;
+  const float* kb = j.k + (b * j.Hkv + kh) * S * D;
+  const float* vb = j.v + (b * j.Hkv + kh) * S * D;
+  const int64_t p = j.pos[bt];
+  const int64_t hi = std::min<int64_t>(p, S - 1);
+  const int64_t lo = j.window > 0 ? std::max<int64_t>(0, p - j.window + 1) : 0;
+  const int64_t ld_lg = S + 16;
+  logits.resize(std::min<int64_t>(G, 8) * ld_lg);
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    const int64_t n = std::min<int64_t>(8, G - g0);
+    const float* qr[8];
+    float* o[8];
+    for (int64_t g = 0; g < n; g++) {
+      const int64_t row = bt * j.Hq + kh * G + g0 + g;
+      qr[g] = j.q + row * D;
+      o[g] = j.out + row * D;
+    }
+    if (lo > hi) {
+      for (int64_t g = 0; g < n; g++) std::fill(o[g], o[g] + D, 0.0f);
+    } else if (D == 64) {
+      att_group<4>(qr, n, kb, vb, lo, hi, j.scale, logits.data(), ld_lg, o);
+    } else if (D == 128) {
+      att_group<8>(qr, n, kb, vb, lo, hi, j.scale, logits.data(), ld_lg, o);
+    } else {
+      for (int64_t g = 0; g < n; g++) att_row_scalar(qr[g], kb, vb, lo, hi, D, j.scale, logits.data(), o[g]);
+    }
+  }
+}
+
+static void att_run(AttJob& j) {
+  std::vector<float> logits;
+  for (;;) {
+    int64_t u = j.next.fetch_add(1, std::memory_order_relaxed);
+    if (u >= j.units) return;
+    att_unit(j, u, logits);
+    j.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, int64_t window, float scale,
+                                  ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("decode_attention: expected q [B,T,Hq,D], k/v [B,Hkv,S,D], pos [B,T]");
+  const int64_t B = qd[0], T = qd[1], Hq = qd[2], D = qd[3], Hkv = kd[1], S = kd[2];
+  for (int i = 0; i < 4; i++)
+    if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("decode_attention: k and v shapes differ");
+  if (kd[0] != B || kd[3] != D || Hkv <= 0 || Hq % Hkv != 0 || pd[0] != B || pd[1] != T)
+    return ffi::Error::InvalidArgument("decode_attention: q, k/v and pos disagree on B, T, D or heads");
+  auto job = std::make_shared<AttJob>();
+  job->q = q.typed_data();
+  job->k = k.typed_data();
+  job->v = v.typed_data();
+  job->pos = pos.typed_data();
+  job->out = out->typed_data();
+  job->B = B;
+  job->T = T;
+  job->Hq = Hq;
+  job->Hkv = Hkv;
+  job->S = S;
+  job->D = D;
+  job->window = window;
+  job->scale = scale;
+  job->units = B * T * Hkv;
+  if (job->units == 0 || T == 0) return ffi::Error::Success();
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units) - 1;
+  for (int64_t i = 0; i < helpers; i++) pool.Schedule([job] { att_run(*job); });
+  att_run(*job);
+  while (job->done.load(std::memory_order_acquire) < job->units) cpu_relax_att();
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_decode_attention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
