@@ -316,6 +316,10 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     }
     if sampling.greedy:
         data["identical_greedy_outputs"] = f"{same}/{len(prompts)}"
+    if mesh is None:  # the single-device loops run on the CPU kernels when these are available
+        from specjax import kernels
+
+        data["cpu_kernels"] = kernels.available()
     if mesh is not None:
         from specjax.sharding import describe
 
