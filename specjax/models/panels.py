@@ -12,8 +12,8 @@ from which a lookup gathers ``E[v] = wp[v // Wd, :, v % Wd]``. ``Wd`` (16, 32 or
 :func:`panel_width` so that there are enough panels to share out over the threads.
 
 Packing is a decode-time view of the params (:func:`decode_state`): the module is not touched,
-training never sees it, and the packed arrays are cached per source array, so repeated generate
-calls on the same model pack once. Only float32 kernels are packed, and only when the kernels
+training never sees it, and the packed arrays are cached per source array while it lives, so
+repeated generate calls on the same model pack once. Only float32 kernels are packed, and only when the kernels
 built (:func:`specjax.kernels.available`); sharded runs keep the plain layout.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 from collections import OrderedDict
 
 import jax
@@ -172,28 +173,34 @@ def packable(root) -> dict:
 
 
 class _Cache:
-    """Packed arrays per source array (keyed by ``id``, holding the source so the id stays
-    unique), least recently used dropped past ``SPECJAX_PANEL_CACHE_GB`` (default 16)."""
+    """Packed arrays per source array, keyed by ``id`` and held only while the source lives (a
+    weak reference; its finaliser drops the entry), so models that go away take their panels with
+    them. Least recently used entries are also dropped past ``SPECJAX_PANEL_CACHE_GB`` (default 16)."""
 
     def __init__(self):
-        self.items: OrderedDict = OrderedDict()
+        self.items: OrderedDict = OrderedDict()  # key -> (weakref to the source, packed)
         self.lock = threading.Lock()
+
+    def _drop(self, key):
+        with self.lock:
+            self.items.pop(key, None)
 
     def get(self, x, kind: str):
         key = (id(x), kind)
         with self.lock:
             hit = self.items.get(key)
-            if hit is not None and hit[0] is x:
+            if hit is not None and hit[0]() is x:
                 self.items.move_to_end(key)
                 return hit[1]
         packed = _PACKERS[kind](x)
         limit = float(os.environ.get("SPECJAX_PANEL_CACHE_GB", "16")) * 2 ** 30
         with self.lock:
-            self.items[key] = (x, packed)
+            self.items[key] = (weakref.ref(x), packed)
             total = sum(p.nbytes for _, p in self.items.values())
             while total > limit and len(self.items) > 1:
                 _, (_, p) = self.items.popitem(last=False)
                 total -= p.nbytes
+        weakref.finalize(x, self._drop, key)
         return packed
 
     def clear(self):

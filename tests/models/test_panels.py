@@ -103,6 +103,16 @@ def test_decode_state_packs_kernels_and_the_tied_head(tied):
     assert again[key].get_value().packed is flat[key].get_value().packed
 
 
+@needs_kernels
+def test_panels_go_with_their_source():
+    w = jnp.ones((32, 64), jnp.float32)
+    key = (id(w), "kernel")
+    panels.CACHE.get(w, "kernel")
+    assert key in panels.CACHE.items
+    del w
+    assert key not in panels.CACHE.items
+
+
 def test_decode_state_is_plain_when_disabled(tied, monkeypatch):
     monkeypatch.setenv("SPECJAX_CPU_KERNELS", "0")
     _, state = nnx.split(tied)
