@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 SOURCES = ("panel_matmul.cc", "decode_attention.cc")
+HEADERS = ("parallel.h",)
 TARGETS = ("specjax_panel_matmul", "specjax_decode_attention")
 
 _lock = threading.Lock()
@@ -59,10 +60,11 @@ def _build(cxx: str) -> Path:
 
     here = Path(__file__).parent
     srcs = [here / s for s in SOURCES]
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}"]
+    hdrs = [here / s for s in HEADERS]
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", f"-I{here}"]
     ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for part in [*(s.read_bytes() for s in srcs), ver.encode(), jaxlib.__version__.encode(), " ".join(flags).encode(),
+    for part in [*(s.read_bytes() for s in srcs + hdrs), ver.encode(), jaxlib.__version__.encode(), " ".join(flags).encode(),
                  platform.machine().encode(), _cpu_id().encode()]:
         h.update(part)
         h.update(b"\0")

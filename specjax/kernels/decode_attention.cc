@@ -15,7 +15,7 @@
 // the max subtracted. A query that sees no slot gets zeros (the XLA path gives finite garbage;
 // no caller reads either).
 //
-// Work units are (b, t, kv head), shared out over XLA's intra-op pool as in panel_matmul.cc;
+// Work units are (b, t, kv head), shared out as in panel_matmul.cc (parallel.h);
 // a unit loads each visible key and value row once for the kv head's G query heads.
 #include <algorithm>
 #include <atomic>
@@ -24,17 +24,10 @@
 #include <memory>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-
-static inline void cpu_relax_att() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 struct AttJob {
   const float *q, *k, *v;
@@ -42,9 +35,6 @@ struct AttJob {
   float* out;
   int64_t B, T, Hq, Hkv, S, D, window;
   float scale;
-  int64_t units;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 };
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -189,16 +179,6 @@ static void att_unit(const AttJob& j, int64_t u, std::vector<float>& logits) {
   }
 }
 
-static void att_run(AttJob& j) {
-  std::vector<float> logits;
-  for (;;) {
-    int64_t u = j.next.fetch_add(1, std::memory_order_relaxed);
-    if (u >= j.units) return;
-    att_unit(j, u, logits);
-    j.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, int64_t window, float scale,
                                   ffi::ResultBuffer<ffi::F32> out) {
@@ -210,26 +190,24 @@ static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("decode_attention: k and v shapes differ");
   if (kd[0] != B || kd[3] != D || Hkv <= 0 || Hq % Hkv != 0 || pd[0] != B || pd[1] != T)
     return ffi::Error::InvalidArgument("decode_attention: q, k/v and pos disagree on B, T, D or heads");
-  auto job = std::make_shared<AttJob>();
-  job->q = q.typed_data();
-  job->k = k.typed_data();
-  job->v = v.typed_data();
-  job->pos = pos.typed_data();
-  job->out = out->typed_data();
-  job->B = B;
-  job->T = T;
-  job->Hq = Hq;
-  job->Hkv = Hkv;
-  job->S = S;
-  job->D = D;
-  job->window = window;
-  job->scale = scale;
-  job->units = B * T * Hkv;
-  if (job->units == 0 || T == 0) return ffi::Error::Success();
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units) - 1;
-  for (int64_t i = 0; i < helpers; i++) pool.Schedule([job] { att_run(*job); });
-  att_run(*job);
-  while (job->done.load(std::memory_order_acquire) < job->units) cpu_relax_att();
+  AttJob j;
+  j.q = q.typed_data();
+  j.k = k.typed_data();
+  j.v = v.typed_data();
+  j.pos = pos.typed_data();
+  j.out = out->typed_data();
+  j.B = B;
+  j.T = T;
+  j.Hq = Hq;
+  j.Hkv = Hkv;
+  j.S = S;
+  j.D = D;
+  j.window = window;
+  j.scale = scale;
+  specjax::parallel_for(pool, B * T * Hkv, [j](int64_t u) {
+    thread_local std::vector<float> logits;
+    att_unit(j, u, logits);
+  });
   return ffi::Error::Success();
 }
 

@@ -9,11 +9,8 @@
 // bandwidth. The rows of x stay in registers: a 4-row group keeps 4 x (Wd/16) accumulators of
 // 16 floats and reads each weight once per group.
 //
-// Panels are the work units, shared out over XLA's intra-op thread pool: the calling thread
-// works too and then waits only for units that have started, so a scheduled task that never
-// runs cannot deadlock it (a task that starts late finds no unit left and touches nothing; the
-// shared_ptr keeps the job itself alive). Measured against helper threads of our own that spin
-// between calls: the same best step, with a steadier median.
+// Panels are the work units, shared out over the calling thread and XLA's intra-op pool
+// (parallel.h).
 //
 // Written with GCC/Clang vector extensions (no intrinsics): the compiler maps a 16-float vector
 // to one AVX-512 register, two AVX2 registers, or whatever the build machine has.
@@ -22,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -92,38 +90,6 @@ static void panel(const float* x, int64_t M, int64_t K, const float* w, float* y
   }
 }
 
-static inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-struct Job {
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t M, K, N, Wd, units;  // a unit is one panel
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-static void run_units(Job& j) {
-  for (;;) {
-    int64_t p = j.next.fetch_add(1, std::memory_order_relaxed);
-    if (p >= j.units) return;
-    const float* wp = j.w + p * j.K * j.Wd;
-    float* yp = j.y + p * j.Wd;
-    switch (j.Wd) {
-      case 16: panel<1>(j.x, j.M, j.K, wp, yp, j.N); break;
-      case 32: panel<2>(j.x, j.M, j.K, wp, yp, j.N); break;
-      default: panel<4>(j.x, j.M, j.K, wp, yp, j.N); break;
-    }
-    j.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 static ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                               ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
@@ -142,19 +108,19 @@ static ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
     std::fill(y->typed_data(), y->typed_data() + M * P * Wd, 0.0f);
     return ffi::Error::Success();
   }
-  auto job = std::make_shared<Job>();
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->M = M;
-  job->K = K;
-  job->N = P * Wd;
-  job->Wd = Wd;
-  job->units = P;
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units) - 1;
-  for (int64_t i = 0; i < helpers; i++) pool.Schedule([job] { run_units(*job); });
-  run_units(*job);
-  while (job->done.load(std::memory_order_acquire) < job->units) cpu_relax();
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t N = P * Wd;
+  specjax::parallel_for(pool, P, [=](int64_t p) {
+    const float* wpp = wp + p * K * Wd;
+    float* ypp = yp + p * Wd;
+    switch (Wd) {
+      case 16: panel<1>(xp, M, K, wpp, ypp, N); break;
+      case 32: panel<2>(xp, M, K, wpp, ypp, N); break;
+      default: panel<4>(xp, M, K, wpp, ypp, N); break;
+    }
+  });
   return ffi::Error::Success();
 }
 

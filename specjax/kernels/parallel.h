@@ -1,0 +1,56 @@
+// Work sharing for the specjax CPU kernels: parallel_for(pool, units, fn) runs fn(u) for every
+// u < units on the calling thread and on XLA's intra-op pool.
+//
+// The caller works too and then waits only for units that have started, so a scheduled task
+// that never runs cannot deadlock it; a task that starts late finds no unit left and touches
+// only the job object, which the shared_ptr keeps alive. (Measured against helper threads of our
+// own that spin between calls: a faster chain of bare matmuls, a slower and less steady decode
+// step, where they compete for the cores with XLA's own threads.)
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace specjax {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+struct Job {
+  std::function<void(int64_t)> fn;
+  int64_t units = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void run() {
+    for (;;) {
+      int64_t u = next.fetch_add(1, std::memory_order_relaxed);
+      if (u >= units) return;
+      fn(u);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+inline void parallel_for(xla::ffi::ThreadPool& pool, int64_t units, std::function<void(int64_t)> fn) {
+  if (units <= 0) return;
+  auto job = std::make_shared<Job>();
+  job->fn = std::move(fn);
+  job->units = units;
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), units) - 1;
+  for (int64_t i = 0; i < helpers; i++) pool.Schedule([job] { job->run(); });
+  job->run();
+  while (job->done.load(std::memory_order_acquire) < job->units) cpu_relax();
+}
+
+}  // namespace specjax
