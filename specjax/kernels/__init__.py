@@ -3,7 +3,8 @@ XLA as FFI custom calls (``jax.ffi``). Nothing here is needed for correctness: e
 has a pure-XLA path, taken when the kernels are unavailable (no compiler, a failed build, a
 non-CPU backend) or disabled (``SPECJAX_CPU_KERNELS=0``).
 
-The build is cached under ``$SPECJAX_CACHE/kernels`` (default ``~/.cache/specjax/kernels``),
+The build targets the machine's own CPU (``-march=native``; ``SPECJAX_KERNEL_ARCH`` names
+another, e.g. ``haswell`` for AVX2 only) and is cached under ``$SPECJAX_CACHE/kernels`` (default ``~/.cache/specjax/kernels``),
 keyed by the source, the compiler, jaxlib's version and the CPU, and written atomically (a temp
 file renamed into place), so concurrent processes (pytest-xdist) share one build safely.
 """
@@ -61,7 +62,7 @@ def _build(cxx: str) -> Path:
     here = Path(__file__).parent
     srcs = [here / s for s in SOURCES]
     hdrs = [here / s for s in HEADERS]
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", f"-I{here}"]
+    flags = ["-O3", f"-march={os.environ.get('SPECJAX_KERNEL_ARCH', 'native')}", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", f"-I{here}"]
     ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
     for part in [*(s.read_bytes() for s in srcs + hdrs), ver.encode(), jaxlib.__version__.encode(), " ".join(flags).encode(),

@@ -36,11 +36,13 @@ static inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>
 static inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 static inline v16 splat(float s) { return s - v16{}; }  // s - 0 == s exactly: folds to a broadcast
 
+// An empty asm that "changes" v: the compiler must keep it in a register instead of re-loading it
+// (only where one 16-float vector is one register: AVX-512; elsewhere a no-op).
 static inline void keep_in_register(v16& v) {
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__AVX512F__)
   asm("" : "+v"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
+#else
+  (void)v;
 #endif
 }
 
