@@ -65,11 +65,17 @@ static inline v16 vexp(v16 x) {
   return x <= -87.0f ? v16{} : r;
 }
 
-static inline float hsum(v16 x) {  // tree reduction: 4 shuffles and adds instead of 15 serial adds
-  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+// tree reduction: 4 shuffles and adds instead of 15 serial adds
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define SPECJAX_SHUFFLE(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
+#else  // GCC before 12: __builtin_shuffle with an index vector
+#define SPECJAX_SHUFFLE(x, ...) __builtin_shuffle(x, i16v{__VA_ARGS__})
+#endif
+static inline float hsum(v16 x) {
+  x += SPECJAX_SHUFFLE(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += SPECJAX_SHUFFLE(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += SPECJAX_SHUFFLE(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += SPECJAX_SHUFFLE(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return x[0];
 }
 
