@@ -117,7 +117,8 @@ class Dense(nnx.Linear):
 
     def __call__(self, inputs, out_sharding=None):
         kernel = self.kernel.get_value()
-        if not (isinstance(kernel, panels.Paneled) and out_sharding is None and panels.fits(inputs)):
+        if not (isinstance(kernel, panels.Paneled) and out_sharding is None and panels.fits(inputs)
+                and (self.dtype is None or jnp.dtype(self.dtype) == jnp.float32)):  # bf16 compute keeps its own
             return super().__call__(inputs, out_sharding=out_sharding)
         y = panels.matmul(inputs, kernel.packed)
         if self.bias is not None:
@@ -155,7 +156,8 @@ class Embed(nnx.Embed):
         """``query @ embedding^T`` (a tied LM head); on the panel kernel for a decode-time
         :class:`specjax.models.panels.Paneled` table and a query that fits it."""
         table = self.embedding.get_value()
-        if isinstance(table, panels.Paneled) and out_sharding is None and panels.fits(query):
+        if (isinstance(table, panels.Paneled) and out_sharding is None and panels.fits(query)
+                and (self.dtype is None or jnp.dtype(self.dtype) == jnp.float32)):
             return panels.matmul(query, table.packed)
         return super().attend(query, out_sharding=out_sharding)
 

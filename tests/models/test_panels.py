@@ -210,3 +210,18 @@ def test_decode_attention_errors():
     with pytest.raises(TypeError, match="float32"):
         panels.decode_attention(q.astype(jnp.bfloat16), kv[:, :2], kv[:, :2], jnp.zeros((1, 1), jnp.int32),
                                 window=None, scale=1.0)
+
+
+@needs_kernels
+def test_bf16_compute_layer_keeps_its_arithmetic():
+    """float32 params under a bf16 compute dtype are packed, but the layer keeps computing as
+    before (bf16): the kernel only serves layers that compute in float32."""
+    from specjax.models.layers import dense
+
+    layer = dense(32, 16, bias=False, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    graphdef, state = nnx.split(layer)
+    view = nnx.merge(graphdef, panels.decode_state(layer, state))
+    assert isinstance(view.kernel.get_value(), panels.Paneled)
+    x = jnp.ones((2, 32), jnp.float32)
+    assert view(x).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(view(x), np.float32), np.asarray(layer(x), np.float32))
