@@ -3,17 +3,19 @@ contiguous column panels, multiplied by the native kernel of :mod:`specjax.kerne
 
 A decode step multiplies a few rows (the batch, or the k+1 tokens being verified) by every weight
 once, so it runs at the speed the weights stream from memory. XLA's CPU dot reads a row-major
-``[K, N]`` kernel at a stride of N floats per row; measured on SmolLM2's layer shapes (2 cores),
-it streams about 39 GB/s at 1 row and 33 GB/s at 4 rows, the panel kernel 72 and 63 GB/s.
+``[K, N]`` kernel at a stride of N floats per row; on SmolLM2's 210 chained linear layers (2
+cores, ``benchmarks/cpu_kernels.py``) it streams about 39 GB/s at 1 row and 31 GB/s at 4 rows,
+the panel kernel 45-50 and 47 GB/s (and more when XLA runs independent calls side by side).
 
 Layout: a kernel ``w`` [K, N] becomes ``wp`` [N / Wd, K, Wd] with ``wp[p, k, j] = w[k, p Wd + j]``
-(:func:`pack`); a tied embedding ``E`` [V, H] becomes the panels of ``E^T`` (:func:`pack_embedding`),
-from which a lookup gathers ``E[v] = wp[v // Wd, :, v % Wd]``. ``Wd`` (16, 32 or 64) is chosen by
-:func:`panel_width` so that there are enough panels to share out over the threads.
+(:func:`pack`); a tied embedding ``E`` [V, H] becomes the panels of ``E^T`` (:func:`pack_embedding`).
+``Wd`` (16, 32 or 64) is chosen by :func:`panel_width` so that there are enough panels to share
+out over the threads.
 
-Packing is a decode-time view of the params (:func:`decode_state`): the module is not touched,
-training never sees it, and the packed arrays are cached per source array while it lives, so
-repeated generate calls on the same model pack once. Only float32 kernels are packed, and only when the kernels
+Packing is a decode-time view of the params (:func:`decode_state`): each packed param becomes a
+:class:`Paneled` holding the plain array beside its panels, the module is not touched, training
+never sees it, and the panels are cached per source array while it lives, so repeated generate
+calls on the same model pack once. Only float32 params are packed, and only when the kernels
 built (:func:`specjax.kernels.available`); sharded runs keep the plain layout.
 """
 
