@@ -276,12 +276,12 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, pad_id=pad_id,
                   prompt_bucket=P, mesh=mesh, packed_len=packed)
 
-    def base(b, s):
-        return generate_ids(target, b, seed=s, **common)
+    def base(b, s, **over):
+        return generate_ids(target, b, seed=s, **{**common, **over})
 
-    def spec(b, s):
+    def spec(b, s, **over):
         return speculative_generate_ids(target, draft, b, k=kk, seed=s, draft_sampling=draft_sampling,
-                                        lossless=lossless, split=split, **common)
+                                        lossless=lossless, split=split, **{**common, **over})
 
     t0 = time.perf_counter()
     base(batches[0][0], seed)
@@ -317,17 +317,14 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     st = SpecStats.merge(stats)
     # the fixed cost of each side (prefill, the draft's prompt ingest, one token), which the
     # formula leaves out: the same batches with max_new_tokens=1, after one warm-up call
-    one = dict(common, max_new_tokens=1)
-    generate_ids(target, batches[0][0], seed=seed, **one)
-    speculative_generate_ids(target, draft, batches[0][0], k=kk, seed=seed, draft_sampling=draft_sampling,
-                             lossless=lossless, split=split, **one)
+    base(batches[0][0], seed, max_new_tokens=1)
+    spec(batches[0][0], seed, max_new_tokens=1)
     fix_base = fix_spec = 0.0
     for j, (b, _) in enumerate(batches):
         t0 = time.perf_counter()
-        generate_ids(target, b, seed=seed + j, **one)
+        base(b, seed + j, max_new_tokens=1)
         t1 = time.perf_counter()
-        speculative_generate_ids(target, draft, b, k=kk, seed=seed + j, draft_sampling=draft_sampling,
-                                 lossless=lossless, split=split, **one)
+        spec(b, seed + j, max_new_tokens=1)
         fix_base, fix_spec = fix_base + t1 - t0, fix_spec + time.perf_counter() - t1
     n_one = sum(n for _, n in batches)
     cost = measure_costs(target, draft.module, batch=batch_size, prompt_len=P, max_new_tokens=max_new_tokens, k=kk,
@@ -366,7 +363,7 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
         from specjax import kernels
 
         data["cpu_kernels"] = kernels.available()
-    if mesh is not None:
+    else:
         from specjax.sharding import describe
 
         data["mesh"] = describe(mesh)

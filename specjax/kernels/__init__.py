@@ -4,8 +4,9 @@ has a pure-XLA path, taken when the kernels are unavailable (no compiler, a fail
 non-CPU backend) or disabled (``SPECJAX_CPU_KERNELS=0``).
 
 The build targets the machine's own CPU (``-march=native``; ``SPECJAX_KERNEL_ARCH`` names
-another, e.g. ``haswell`` for AVX2 only) and is cached under ``$SPECJAX_CACHE/kernels`` (default ``~/.cache/specjax/kernels``),
-keyed by the source, the compiler, jaxlib's version and the CPU, and written atomically (a temp
+another, e.g. ``haswell`` for AVX2 only) and is cached under ``$SPECJAX_CACHE/kernels``
+(default ``~/.cache/specjax/kernels``), keyed by the sources, the compiler, the flags, jaxlib's
+version and the CPU, and written atomically (a temp
 file renamed into place), so concurrent processes (pytest-xdist) share one build safely.
 """
 
@@ -23,7 +24,7 @@ import warnings
 from pathlib import Path
 
 SOURCES = ("panel_matmul.cc", "decode_attention.cc")
-HEADERS = ("parallel.h",)
+HEADERS = ("common.h",)
 TARGETS = ("specjax_panel_matmul", "specjax_decode_attention")
 
 _lock = threading.Lock()
@@ -50,8 +51,9 @@ def _cpu_id() -> str:
 
 def _compiler() -> str | None:
     for cand in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if cand and shutil.which(cand):
-            return shutil.which(cand)
+        path = shutil.which(cand) if cand else None
+        if path:
+            return path
     return None
 
 
@@ -62,11 +64,13 @@ def _build(cxx: str) -> Path:
     here = Path(__file__).parent
     srcs = [here / s for s in SOURCES]
     hdrs = [here / s for s in HEADERS]
-    flags = ["-O3", f"-march={os.environ.get('SPECJAX_KERNEL_ARCH', 'native')}", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", f"-I{here}"]
+    arch = os.environ.get("SPECJAX_KERNEL_ARCH", "native")
+    flags = ["-O3", f"-march={arch}", "-std=c++17", "-shared", "-fPIC", "-w"]
+    includes = [f"-I{jax.ffi.include_dir()}", f"-I{here}"]  # paths: not part of the key
     ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for part in [*(s.read_bytes() for s in srcs + hdrs), ver.encode(), jaxlib.__version__.encode(), " ".join(flags).encode(),
-                 platform.machine().encode(), _cpu_id().encode()]:
+    for part in [*(f.read_bytes() for f in srcs + hdrs), ver.encode(), jaxlib.__version__.encode(),
+                 " ".join(flags).encode(), platform.machine().encode(), _cpu_id().encode()]:
         h.update(part)
         h.update(b"\0")
     out_dir = cache_dir()
@@ -77,7 +81,7 @@ def _build(cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        res = subprocess.run([cxx, *flags, *map(str, srcs), "-o", tmp], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([cxx, *flags, *includes, *map(str, srcs), "-o", tmp], capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{cxx} failed building {', '.join(SOURCES)} (exit {res.returncode}):\n"
                                f"{res.stderr.strip()[-2000:]}")

@@ -15,16 +15,14 @@
 // the max subtracted. A query that sees no slot gets zeros (the XLA path gives finite garbage;
 // no caller reads either).
 //
-// Work units are (b, t, kv head), shared out as in panel_matmul.cc (parallel.h);
+// Work units are (b, t, kv head), shared out as in panel_matmul.cc (common.h);
 // a unit loads each visible key and value row once for the kv head's G query heads.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
-#include "parallel.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -33,26 +31,25 @@ struct AttJob {
   const float *q, *k, *v;
   const int32_t* pos;
   float* out;
-  int64_t B, T, Hq, Hkv, S, D, window;
+  int64_t T, Hq, Hkv, S, D, window;
   float scale;
 };
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-
-static inline v16 ld(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-static inline void st(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+using specjax::i16v;
+using specjax::load16;
+using specjax::splat;
+using specjax::store16;
+using specjax::v16;
 
 // exp for x <= 0 (softmax after the max is subtracted), relative error ~1e-7: 2^n * 2^f with
 // n = round(x log2 e), |f| <= 1/2, 2^f from its degree-7 Taylor polynomial. Below -87 -> 0.
 static inline v16 vexp(v16 x) {
-  const v16 lo = x - x - 87.0f;
+  const v16 lo = splat(-87.0f);
   x = x < lo ? lo : x;
   v16 t = x * 1.4426950408889634f;
   v16 n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
   v16 f = (t - n) * 0.6931471805599453f;     // in [-ln2/2, ln2/2]
-  v16 p = 1.0f / 5040 + f * 0.0f;
+  v16 p = splat(1.0f / 5040);
   p = p * f + 1.0f / 720;
   p = p * f + 1.0f / 120;
   p = p * f + 1.0f / 24;
@@ -88,12 +85,12 @@ static void att_group(const float* const* qr, int64_t G, const float* kb, const 
   v16 qv[8][C];
   float mx[8];
   for (int64_t g = 0; g < G; g++) {
-    for (int c = 0; c < C; c++) qv[g][c] = ld(qr[g] + 16 * c) * scale;
+    for (int c = 0; c < C; c++) qv[g][c] = load16(qr[g] + 16 * c) * scale;
     mx[g] = -INFINITY;
   }
   for (int64_t s = lo; s <= hi; s++) {
     v16 kv[C];
-    for (int c = 0; c < C; c++) kv[c] = ld(kb + s * D + 16 * c);
+    for (int c = 0; c < C; c++) kv[c] = load16(kb + s * D + 16 * c);
     for (int64_t g = 0; g < G; g++) {
       v16 acc = qv[g][0] * kv[0];
       for (int c = 1; c < C; c++) acc += qv[g][c] * kv[c];
@@ -108,8 +105,8 @@ static void att_group(const float* const* qr, int64_t G, const float* kb, const 
     float sum = 0.0f;
     int64_t s = lo;
     for (; s + 16 <= hi + 1; s += 16) {
-      v16 e = vexp(ld(l + s) - mx[g]);
-      st(l + s, e);
+      v16 e = vexp(load16(l + s) - mx[g]);
+      store16(l + s, e);
       sum += hsum(e);
     }
     for (; s <= hi; s++) {
@@ -124,14 +121,14 @@ static void att_group(const float* const* qr, int64_t G, const float* kb, const 
     for (int c = 0; c < C; c++) ov[g][c] = v16{};
   for (int64_t s = lo; s <= hi; s++) {
     v16 vv[C];
-    for (int c = 0; c < C; c++) vv[c] = ld(vb + s * D + 16 * c);
+    for (int c = 0; c < C; c++) vv[c] = load16(vb + s * D + 16 * c);
     for (int64_t g = 0; g < G; g++) {
       const float w = lg[g * ld_lg + s];
       for (int c = 0; c < C; c++) ov[g][c] += w * vv[c];
     }
   }
   for (int64_t g = 0; g < G; g++)
-    for (int c = 0; c < C; c++) st(o[g] + 16 * c, ov[g][c] * inv[g]);
+    for (int c = 0; c < C; c++) store16(o[g] + 16 * c, ov[g][c] * inv[g]);
 }
 
 // The same for any D and G, one row at a time (no vectors).
@@ -149,9 +146,10 @@ static void att_row_scalar(const float* qr, const float* kb, const float* vb, in
     lg[s] = std::exp(lg[s] - mx);
     sum += lg[s];
   }
+  const float inv = 1.0f / sum;
   std::fill(o, o + D, 0.0f);
   for (int64_t s = lo; s <= hi; s++)
-    for (int64_t d = 0; d < D; d++) o[d] += lg[s] / sum * vb[s * D + d];
+    for (int64_t d = 0; d < D; d++) o[d] += lg[s] * inv * vb[s * D + d];
 }
 
 // One unit: the G query heads of kv head kh for token (b, t).
@@ -196,20 +194,8 @@ static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("decode_attention: k and v shapes differ");
   if (kd[0] != B || kd[3] != D || Hkv <= 0 || Hq % Hkv != 0 || pd[0] != B || pd[1] != T)
     return ffi::Error::InvalidArgument("decode_attention: q, k/v and pos disagree on B, T, D or heads");
-  AttJob j;
-  j.q = q.typed_data();
-  j.k = k.typed_data();
-  j.v = v.typed_data();
-  j.pos = pos.typed_data();
-  j.out = out->typed_data();
-  j.B = B;
-  j.T = T;
-  j.Hq = Hq;
-  j.Hkv = Hkv;
-  j.S = S;
-  j.D = D;
-  j.window = window;
-  j.scale = scale;
+  const AttJob j{q.typed_data(), k.typed_data(), v.typed_data(), pos.typed_data(), out->typed_data(),
+                 T, Hq, Hkv, S, D, window, scale};
   specjax::parallel_for(pool, B * T * Hkv, [j](int64_t u) {
     thread_local std::vector<float> logits;
     att_unit(j, u, logits);

@@ -10,16 +10,11 @@
 // 16 floats and reads each weight once per group.
 //
 // Panels are the work units, shared out over the calling thread and XLA's intra-op pool
-// (parallel.h).
-//
-// Written with GCC/Clang vector extensions (no intrinsics): the compiler maps a 16-float vector
-// to one AVX-512 register, two AVX2 registers, or whatever the build machine has.
+// (common.h, with the vector types).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
 
-#include "parallel.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -28,13 +23,10 @@ namespace ffi = xla::ffi;
 #define PREFETCH_ROWS 16
 #endif
 
-typedef float v16 __attribute__((vector_size(64)));
-
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned access
-
-static inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-static inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
-static inline v16 splat(float s) { return s - v16{}; }  // s - 0 == s exactly: folds to a broadcast
+using specjax::load16;
+using specjax::splat;
+using specjax::store16;
+using specjax::v16;
 
 // An empty asm that "changes" v: the compiler must keep it in a register instead of re-loading it
 // (only where one 16-float vector is one register: AVX-512; elsewhere a no-op).

@@ -116,14 +116,11 @@ class Dense(nnx.Linear):
     :class:`specjax.models.panels.Paneled` and the input fits it (a few float32 rows on the CPU)."""
 
     def __call__(self, inputs, out_sharding=None):
-        kernel = self.kernel.get_value()
-        if not (isinstance(kernel, panels.Paneled) and out_sharding is None and panels.fits(inputs)
-                and (self.dtype is None or jnp.dtype(self.dtype) == jnp.float32)):  # bf16 compute keeps its own
+        wp = panels.panels_for(self.kernel.get_value(), inputs, dtype=self.dtype, out_sharding=out_sharding)
+        if wp is None:
             return super().__call__(inputs, out_sharding=out_sharding)
-        y = panels.matmul(inputs, kernel.packed)
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
+        y = panels.matmul(inputs, wp)
+        return y if self.bias is None else y + self.bias[...]
 
 
 def dense(in_features: int, out_features: int, *, bias: bool, rngs: nnx.Rngs, param_dtype=jnp.float32,
@@ -155,11 +152,10 @@ class Embed(nnx.Embed):
     def attend(self, query, out_sharding=None):
         """``query @ embedding^T`` (a tied LM head); on the panel kernel for a decode-time
         :class:`specjax.models.panels.Paneled` table and a query that fits it."""
-        table = self.embedding.get_value()
-        if (isinstance(table, panels.Paneled) and out_sharding is None and panels.fits(query)
-                and (self.dtype is None or jnp.dtype(self.dtype) == jnp.float32)):
-            return panels.matmul(query, table.packed)
-        return super().attend(query, out_sharding=out_sharding)
+        wp = panels.panels_for(self.embedding.get_value(), query, dtype=self.dtype, out_sharding=out_sharding)
+        if wp is None:
+            return super().attend(query, out_sharding=out_sharding)
+        return panels.matmul(query, wp)
 
 
 class RMSNorm(nnx.Module):

@@ -22,10 +22,8 @@ built (:func:`specjax.kernels.available`); sharded runs keep the plain layout.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import weakref
-from collections import OrderedDict
 
 import jax
 import jax.numpy as jnp
@@ -73,11 +71,34 @@ def unpack(wp):
     return jnp.reshape(jnp.transpose(wp, (1, 0, 2)), (K, P * W))
 
 
+def _fits(dtype, rows: int) -> bool:
+    return jnp.dtype(dtype) == jnp.float32 and rows <= MAX_ROWS and kernels.available()
+
+
 def fits(x) -> bool:
     """The panel kernel takes this input: float32, at most :data:`MAX_ROWS` rows (batch x tokens)
     -- more rows (a prefill) are compute-bound, where XLA's GEMM on the plain kernel is the better
     choice -- and the kernels are available."""
-    return x.dtype == jnp.float32 and math.prod(x.shape[:-1]) <= MAX_ROWS and kernels.available()
+    return _fits(x.dtype, math.prod(x.shape[:-1]))
+
+
+def panels_for(value, x, *, dtype=None, out_sharding=None):
+    """The panels to multiply ``x`` by, or None for the layer's own path: ``value`` (a kernel or
+    tied embedding's value) is a decode-time :class:`Paneled`, the layer computes in float32
+    (``dtype`` None or float32: a bf16-compute layer keeps its own arithmetic), no output
+    sharding is asked for, and ``x`` :func:`fits`."""
+    if (isinstance(value, Paneled) and out_sharding is None
+            and (dtype is None or jnp.dtype(dtype) == jnp.float32) and fits(x)):
+        return value.packed
+    return None
+
+
+def attention_fits(q_proj, q, k) -> bool:
+    """The target's cached attention runs on :func:`decode_attention`: the forward is in the panel
+    view (``q_proj``'s kernel is :class:`Paneled`: single-device CPU), ``q`` [B, T, Hq, D] has at
+    most :data:`MAX_ROWS` tokens, and ``q`` and the cache ``k`` are float32."""
+    return (isinstance(q_proj.kernel.get_value(), Paneled) and k.dtype == jnp.float32
+            and _fits(q.dtype, q.shape[0] * q.shape[1]))
 
 
 def matmul(x, wp):
@@ -112,19 +133,13 @@ def decode_attention(q, k, v, positions, *, window: int | None, scale: float):
                                                       window=np.int64(window or 0), scale=np.float32(scale))
 
 
-def in_view(dense) -> bool:
-    """``dense`` (a layer's ``Dense``) holds a decode-time :class:`Paneled` kernel: the forward
-    runs in :func:`decode_state`'s view (single-device CPU, kernels available)."""
-    return isinstance(dense.kernel.get_value(), Paneled)
-
-
 @jax.tree_util.register_pytree_node_class
 class Paneled:
     """A weight in both layouts, the value of a ``Dense.kernel`` (or a tied embedding) in a
     decode-time state: ``plain`` (the param as it is, shared with the module) and ``packed`` (its
     panels). It reads as the plain array -- ``variable[...]``, ``.shape``, ``.dtype``,
     ``jnp.asarray`` -- so code that is not panel-aware sees the ordinary param; ``Dense`` and
-    ``Embed.attend`` take ``packed`` for inputs that :func:`fits`."""
+    ``Embed.attend`` take ``packed`` for inputs that :func:`fits` (:func:`panels_for`)."""
 
     __slots__ = ("plain", "packed")
 
@@ -161,26 +176,27 @@ def packable(root) -> dict:
     kernel (float32, 2-D, output dim a multiple of 16) and every tied target LM head's embedding."""
     from specjax.models.layers import Dense
 
+    def ok(a, n):
+        return a.ndim == 2 and a.dtype == jnp.float32 and panel_width(a.shape[n]) is not None
+
     out = {}
     for path, node in nnx.iter_graph(root):
         if isinstance(node, Dense):
-            k = node.kernel.get_value()
-            if k.ndim == 2 and k.dtype == jnp.float32 and panel_width(k.shape[1]):
+            if ok(node.kernel.get_value(), 1):
                 out[tuple(path) + ("kernel",)] = "kernel"
         elif getattr(node, "lm_head", 0) is None and hasattr(node, "model") and hasattr(node.model, "embed_tokens"):
-            e = node.model.embed_tokens.embedding.get_value()
-            if e.ndim == 2 and e.dtype == jnp.float32 and panel_width(e.shape[0]):
+            if ok(node.model.embed_tokens.embedding.get_value(), 0):
                 out[tuple(path) + ("model", "embed_tokens", "embedding")] = "embedding"
     return out
 
 
 class _Cache:
     """Packed arrays per source array, keyed by ``id`` and held only while the source lives (a
-    weak reference; its finaliser drops the entry), so models that go away take their panels with
-    them. Least recently used entries are also dropped past ``SPECJAX_PANEL_CACHE_GB`` (default 16)."""
+    weak reference; its finaliser drops the entry), so a model that goes away takes its panels
+    with it."""
 
     def __init__(self):
-        self.items: OrderedDict = OrderedDict()  # key -> (weakref to the source, packed)
+        self.items: dict = {}  # key -> (weakref to the source, packed)
         self.lock = threading.Lock()
 
     def _drop(self, key):
@@ -191,23 +207,13 @@ class _Cache:
         key = (id(x), kind)
         with self.lock:
             hit = self.items.get(key)
-            if hit is not None and hit[0]() is x:
-                self.items.move_to_end(key)
-                return hit[1]
+        if hit is not None and hit[0]() is x:
+            return hit[1]
         packed = _PACKERS[kind](x)
-        limit = float(os.environ.get("SPECJAX_PANEL_CACHE_GB", "16")) * 2 ** 30
         with self.lock:
             self.items[key] = (weakref.ref(x), packed)
-            total = sum(p.nbytes for _, p in self.items.values())
-            while total > limit and len(self.items) > 1:
-                _, (_, p) = self.items.popitem(last=False)
-                total -= p.nbytes
         weakref.finalize(x, self._drop, key)
         return packed
-
-    def clear(self):
-        with self.lock:
-            self.items.clear()
 
 
 _PACKERS = {"kernel": jax.jit(pack), "embedding": jax.jit(pack_embedding)}

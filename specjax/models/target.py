@@ -214,7 +214,7 @@ class CausalLM(nnx.Module):
                 k, v = write_cache(cache.k[i], positions, k), write_cache(cache.v[i], positions, v)
                 new_k.append(k)
                 new_v.append(v)
-                if panels.in_view(attn.q_proj) and panels.fits(q.reshape(B * T, -1)) and k.dtype == jnp.float32:
+                if panels.attention_fits(attn.q_proj, q, k):
                     o = panels.decode_attention(q, k, v, positions, window=layer.sliding_window, scale=attn.scaling)
                 else:
                     o = attend_cache(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)

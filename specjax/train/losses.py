@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from specjax.models.layers import first_argmax  # noqa: F401  (re-exported: objectives and tests import it from here)
+from specjax.models.layers import first_argmax
 from specjax.train.errors import RecipeError
 
 REDUCTION_EPS = 1e-5

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from specjax.models.layers import first_argmax
 from specjax.train.losses import (
-    LOSSES, compound_loss, dflash_decay, dpace_weights, first_argmax, kl_div_prepared, kl_target_stats, loss_function, tv,
+    LOSSES, compound_loss, dflash_decay, dpace_weights, kl_div_prepared, kl_target_stats, loss_function, tv,
 )
 
 

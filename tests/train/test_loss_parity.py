@@ -176,7 +176,7 @@ def test_select_anchors_contract():
 
 
 def test_first_argmax_is_argmax_with_first_index_on_ties():
-    from specjax.train.losses import first_argmax
+    from specjax.models.layers import first_argmax
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 5, size=(3, 7, 50)).astype(np.float32)  # many ties

@@ -1,5 +1,7 @@
-// Work sharing for the specjax CPU kernels: parallel_for(pool, units, fn) runs fn(u) for every
-// u < units on the calling thread and on XLA's intra-op pool.
+// Shared by the specjax CPU kernels: 16-float vectors (GCC/Clang vector extensions, no
+// intrinsics: one AVX-512 register, two AVX2 registers, or whatever the build machine has) and
+// work sharing: parallel_for(pool, units, fn) runs fn(u) for every u < units on the calling
+// thread and on XLA's intra-op pool.
 //
 // The caller works too and then waits only for units that have started, so a scheduled task
 // that never runs cannot deadlock it; a task that starts late finds no unit left and touches
@@ -17,6 +19,14 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace specjax {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned access
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+inline v16 splat(float s) { return s - v16{}; }  // s - 0 == s exactly: folds to a broadcast
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
