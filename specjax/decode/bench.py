@@ -2,8 +2,10 @@
 
 :func:`run_bench` pads every prompt to one bucket and every batch to ``batch_size``, and at batch
 > 1 prefills each batch's prompts back to back in one packed row of one length (the longest
-batch's; see ``generate.prefill``), so each loop compiles once (compile time is measured on a
-warm-up batch and excluded); then per batch
+batch's; see ``generate.prefill``), at batch 1 runs the prefill :data:`PREFILL_CHUNK` tokens at a
+time, stopping after the prompt (``generate.chunked_prefill``), so each loop compiles once
+(compile time is measured on a warm-up batch and excluded) and pays for its real prompt
+lengths; then per batch
 times target-only generation and speculative generation back to back (interleaved, so a change
 in machine load hits both alike). It reports:
 
@@ -126,6 +128,9 @@ def _best_interleaved(calls, iters: int) -> list[float]:
             jax.block_until_ready(fn(*args))
             best[i] = min(best[i], time.perf_counter() - t0)
     return best
+
+
+PREFILL_CHUNK = 64  # tokens per trip of the chunked prompt prefill at batch 1 (generate.chunked_prefill)
 
 
 def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens: int, k: int, iters: int = 5,
@@ -273,8 +278,11 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     # one packed prefill length for every batch (one compile): the longest batch, rounded to 32
     packed = bucket(max(sum(len(p) for p in b) for b, _ in batches))
     packed = packed if worth_packing(packed, batch_size, P) and mesh is None else None
+    # unpacked (batch 1): the bucket fits the longest prompt, so run the prefill in chunks that
+    # stop after each batch's own prompts (one compile, work by the real lengths)
+    chunk = PREFILL_CHUNK if packed is None and mesh is None and P > PREFILL_CHUNK else None
     common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids, pad_id=pad_id,
-                  prompt_bucket=P, mesh=mesh, packed_len=packed)
+                  prompt_bucket=P, mesh=mesh, packed_len=packed, prefill_chunk=chunk)
 
     def base(b, s, **over):
         return generate_ids(target, b, seed=s, **{**common, **over})
@@ -337,7 +345,8 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
         "bench": "spec_decode", "draft": draft.source, "algorithm": draft.algorithm, "k": kk,
         "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
         "draft_sampling": "greedy" if sampling.greedy else draft_sampling, "batch_size": batch_size,
-        "max_new_tokens": max_new_tokens, "prompts": len(prompts), "prompt_bucket": P, "repeats": repeats,
+        "max_new_tokens": max_new_tokens, "prompts": len(prompts), "prompt_bucket": P, "prefill_chunk": chunk,
+        "repeats": repeats,
         "tau": round(st.tau, 4), "alpha": round(alpha_from_tau(st.tau, kk), 4),
         "per_position_acceptance": [round(x, 4) for x in st.per_position],
         "conditional_acceptance": [None if x is None else round(x, 4) for x in st.conditional],

@@ -50,7 +50,7 @@ class DecodeState(NamedTuple):
 
 
 def prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids: Sequence[int] = (),
-            packed_len: int | None = None):
+            packed_len: int | None = None, chunk: int | None = None):
     """prompt_ids int [B, P] right-padded, prompt_lens int [B] >= 1. Writes the prompts into
     ``cache`` (which must start empty) and sets ``cache.lengths = prompt_lens``. Returns
     ``(last_logits [B, V], cache, aux)``; aux are [B, P, hidden] per tap id (rows past a
@@ -59,8 +59,15 @@ def prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids
     ``packed_len`` (static): run the prompts back to back in one row of that many tokens
     (``sum(prompt_lens)`` must fit; the caller checks) instead of ``B`` rows of ``P``: the same
     result without the padding's work (a batch of 4 chat prompts of 64-195 tokens padded to 224
-    is about half padding)."""
+    is about half padding).
+
+    ``chunk`` (static, without ``packed_len``): run the prompts ``chunk`` tokens at a time through
+    the cache in a ``lax.while_loop`` of ``ceil(max(prompt_lens) / chunk)`` trips (one compile
+    for the padded length, work proportional to the longest prompt rather than the padding):
+    :func:`chunked_prefill`."""
     B, P = prompt_ids.shape
+    if packed_len is None and chunk is not None and chunk < P and chunk <= cache.max_len:
+        return chunked_prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, chunk=chunk)
     if packed_len is None:
         mask = jnp.arange(P)[None, :] < prompt_lens[:, None]
         out = model(prompt_ids, positions=jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), prompt_ids.shape),
@@ -78,6 +85,49 @@ def prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids
     out = model(ids[None], positions=pos[None], cache=cache, segments=seg, tap_ids=tap_ids, logits_at=ends - 1)
     rows = jnp.minimum(starts[:, None] + jnp.arange(P, dtype=jnp.int32)[None], packed_len - 1)  # [B, P] -> row slot
     return out.logits, out.cache, tuple(a[0][rows] for a in out.aux_hidden_states)
+
+
+def chunked_prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids: Sequence[int] = (),
+                    chunk: int):
+    """:func:`prefill` ``chunk`` tokens at a time: trip ``i`` writes positions ``i*chunk ..
+    (i+1)*chunk - 1`` of every row into the cache (queries see the earlier trips' slots), and the
+    loop stops after the longest prompt's last chunk, so a bucket padded far past its prompts
+    costs only the prompts' chunks. Padding tokens of a shorter row land past its length, where
+    nothing reads them (the cache contract). Equal to the one-pass prefill up to float
+    reassociation; the aux rows come back ``[B, P, hidden]`` as there."""
+    B, P = prompt_ids.shape
+    C = int(chunk)
+    n_layers = model.config.num_hidden_layers
+    taps = tuple(int(t) for t in tap_ids)
+    want = taps if n_layers in taps else taps + (n_layers,)
+    trips = -(-P // C)
+    ids = jnp.pad(prompt_ids, ((0, 0), (0, trips * C - P)))
+    ar = jnp.arange(C, dtype=jnp.int32)
+    lens = prompt_lens.astype(jnp.int32)
+
+    def fwd(i, cache):
+        s = i * C
+        x = jax.lax.dynamic_slice_in_dim(ids, s, C, axis=1)
+        pos = jnp.broadcast_to(s + ar, (B, C))
+        out = model(x, positions=pos, cache=cache, tap_ids=want, return_logits=False)
+        return out.cache, dict(zip(want, out.aux_hidden_states))
+
+    shapes = jax.eval_shape(lambda c: fwd(jnp.zeros((), jnp.int32), c)[1], cache)
+    aux0 = tuple(jnp.zeros((B, trips * C, shapes[t].shape[-1]), shapes[t].dtype) for t in taps)
+    h0 = jnp.zeros((B, shapes[n_layers].shape[-1]), shapes[n_layers].dtype)
+
+    def body(c):
+        i, cache, aux, h = c
+        cache, hs = fwd(i, cache)
+        aux = tuple(jax.lax.dynamic_update_slice_in_dim(a, hs[t], i * C, axis=1) for a, t in zip(aux, taps))
+        j = lens - 1 - i * C  # the last prompt token's index in this chunk
+        here = (j >= 0) & (j < C)
+        last = jnp.take_along_axis(hs[n_layers], jnp.clip(j, 0, C - 1)[:, None, None], axis=1)[:, 0]
+        return i + 1, cache, aux, jnp.where(here[:, None], last, h)
+
+    n_trips = (jnp.max(lens) + C - 1) // C
+    _, cache, aux, h = jax.lax.while_loop(lambda c: c[0] < n_trips, body, (jnp.zeros((), jnp.int32), cache, aux0, h0))
+    return model.head(h), cache.rollback(lens), tuple(a[:, :P] for a in aux)
 
 
 PACK_MAX = 2048  # longest packed prefill row: its attention scores are [heads, T, T]
@@ -133,13 +183,14 @@ def emit(state: DecodeState, new_tokens, counts, eos_ids, pad_id: int) -> Decode
 
 def start(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int, max_len: int,
           sampling: SamplingParams, pad_id: int, cache_dtype, tap_ids: Sequence[int] = (), mesh=None,
-          packed_len: int | None = None):
+          packed_len: int | None = None, prefill_chunk: int | None = None):
     """Prefill into a fresh cache, sample and emit the first token. Returns ``(DecodeState, aux)``
     (aux: the prompt rows' tapped hidden states, for a draft). ``mesh``: pin the KV cache to
     ``specjax.sharding.kv_cache_sharding`` (batch on data/fsdp, heads on tensor)."""
     B = prompt_ids.shape[0]
     cache = _pin(KVCache.init(model.config, B, max_len, cache_dtype), mesh)
-    logits, cache, aux = prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, packed_len=packed_len)
+    logits, cache, aux = prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, packed_len=packed_len,
+                                 chunk=prefill_chunk)
     cache = _pin(cache, mesh)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, sampling)
@@ -159,11 +210,11 @@ def _pin(cache, mesh):
 
 def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int,
                    max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype, mesh=None,
-                   packed_len: int | None = None):
+                   packed_len: int | None = None, prefill_chunk: int | None = None):
     B = prompt_ids.shape[0]
     st, _ = start(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
                   max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh,
-                  packed_len=packed_len)
+                  packed_len=packed_len, prefill_chunk=prefill_chunk)
 
     def cond(s: DecodeState):
         return (s.step < max_new_tokens - 1) & ~jnp.all(s.done)
@@ -180,14 +231,14 @@ def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_id
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id",
-                                             "cache_dtype", "packed_len"))
+                                             "cache_dtype", "packed_len", "prefill_chunk"))
 def _generate_jit(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens, max_len,
-                  sampling, pad_id, cache_dtype, packed_len=None):
+                  sampling, pad_id, cache_dtype, packed_len=None, prefill_chunk=None):
     TRACE_COUNT["generate"] += 1
     model = nnx.merge(graphdef, params)
     return _generate_core(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
                           max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype,
-                          packed_len=packed_len)
+                          packed_len=packed_len, prefill_chunk=prefill_chunk)
 
 
 _SHARDED_JITS: dict = {}
@@ -329,7 +380,8 @@ def cache_dtype_of(model: CausalLM):
 def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
                  sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
                  pad_id: int | None = None, context_length: int | None = None,
-                 prompt_bucket: int = 32, mesh=None, packed_len: int | str | None = "auto") -> GenerationResult:
+                 prompt_bucket: int = 32, mesh=None, packed_len: int | str | None = "auto",
+                 prefill_chunk: int | None = None) -> GenerationResult:
     """Generate continuations of token-id prompts (a batch, ragged lengths allowed).
 
     Each sequence stops at the first token in ``eos_token_ids`` (default: the config's; ``[]``
@@ -346,6 +398,10 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
     (:func:`prefill`; static, so a fixed value shares one compile across batches); "auto" (the
     default) :func:`packed_length`, None the right-padded layout. Sharded runs keep the padded
     layout (the batch is split over devices).
+
+    ``prefill_chunk``: without a packed prefill, run the prompts through the cache this many
+    tokens at a time, stopping after the longest one (:func:`chunked_prefill`): for prompts padded
+    far past their length to share one compile (a fixed ``prompt_bucket``). Single device only.
     """
     b = prepare(model.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
                 context_length=context_length, prompt_bucket=prompt_bucket)
@@ -371,7 +427,8 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
     toks, num, eos_hit = _generate_jit(graphdef, params, jnp.asarray(b.ids), jnp.asarray(b.lens),
                                        jnp.asarray(b.limits), jax.random.key(seed), jnp.asarray(b.eos, jnp.int32),
                                        max_new_tokens=int(max_new_tokens), max_len=int(max_len), sampling=sampling,
-                                       pad_id=b.pad, cache_dtype=cache_dtype_of(model), packed_len=packed_len)
+                                       pad_id=b.pad, cache_dtype=cache_dtype_of(model), packed_len=packed_len,
+                                       prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
     toks, num, eos_hit = np.asarray(toks), np.asarray(num), np.asarray(eos_hit)
     return GenerationResult(tokens=[toks[i, : num[i]].tolist() for i in range(len(prompts))],
                             stop_reasons=["eos" if e else "length" for e in eos_hit], prompt_lengths=b.lens.tolist())

@@ -258,7 +258,7 @@ def _propose(draft, dcache, rows, next_tokens, positions, n_valid, params: SpecP
 
 def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params: SpecParams,
               max_new_tokens: int, max_len: int, draft_len: int, pad_id: int, cache_dtype, draft_dtype,
-              trace: bool = False, mesh=None, packed_len: int | None = None):
+              trace: bool = False, mesh=None, packed_len: int | None = None, prefill_chunk: int | None = None):
     """The traced body of the jitted program. ``relax`` f32 [2]: (verifier_accept_k, accept_tolerance),
     runtime values (the exact rule unless k > 1 and tolerance > 0). ``mesh``: pin the target and
     draft KV caches to ``specjax.sharding.kv_cache_sharding`` (batch on data/fsdp, heads on
@@ -269,7 +269,7 @@ def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
     taps = tuple(draft.tap_ids(target.config.num_hidden_layers))
     dec, aux = start(target, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
                      max_len=max_len, sampling=params.sampling, pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps,
-                     mesh=mesh, packed_len=packed_len)
+                     mesh=mesh, packed_len=packed_len, prefill_chunk=prefill_chunk)
     kd, dkey = jax.random.split(dec.key)
     dec = dec._replace(key=dkey)
     # prompt rows: row j holds the target state after token j; its next token is j+1 (the first
@@ -314,12 +314,14 @@ def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
 
 
 def _spec_outputs(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params, max_new_tokens,
-                  max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace, mesh=None, packed_len=None):
+                  max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace, mesh=None, packed_len=None,
+                  prefill_chunk=None):
     TRACE_COUNT["speculative"] += 1
     pair = nnx.merge(graphdef, state)
     st = spec_core(pair.target, pair.draft, prompt_ids, prompt_lens, limits, key, eos_ids, relax, params=params,
                    max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len, pad_id=pad_id,
-                   cache_dtype=cache_dtype, draft_dtype=draft_dtype, trace=trace, mesh=mesh, packed_len=packed_len)
+                   cache_dtype=cache_dtype, draft_dtype=draft_dtype, trace=trace, mesh=mesh, packed_len=packed_len,
+                   prefill_chunk=prefill_chunk)
     out = {"tokens": st.dec.tokens, "num_tokens": st.dec.num_tokens, "eos_hit": st.dec.eos_hit, "hist": st.hist,
            "rounds": st.dec.step}
     if trace:
@@ -332,12 +334,13 @@ _STATIC = ("graphdef", "params", "max_new_tokens", "max_len", "draft_len", "pad_
            "trace")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("packed_len",))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("packed_len", "prefill_chunk"))
 def _spec_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params, max_new_tokens,
-              max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace, packed_len=None):
+              max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace, packed_len=None, prefill_chunk=None):
     return _spec_outputs(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, params=params,
                          max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len, pad_id=pad_id,
-                         cache_dtype=cache_dtype, draft_dtype=draft_dtype, trace=trace, packed_len=packed_len)
+                         cache_dtype=cache_dtype, draft_dtype=draft_dtype, trace=trace, packed_len=packed_len,
+                         prefill_chunk=prefill_chunk)
 
 
 _SHARDED_JITS: dict = {}
@@ -428,7 +431,8 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
                              context_length: int | None = None, prompt_bucket: int = 32,
                              draft_sampling: str = "greedy", verifier_accept_k: int | None = None,
                              accept_tolerance: float | None = None, lossless: bool = False, trace: bool = False,
-                             split=None, mesh=None, packed_len: int | str | None = "auto") -> SpecResult:
+                             split=None, mesh=None, packed_len: int | str | None = "auto",
+                             prefill_chunk: int | None = None) -> SpecResult:
     """Speculative generation over token-id prompts (ragged batch), same stopping rules and
     output format as :func:`specjax.decode.generate.generate_ids` plus acceptance statistics.
 
@@ -447,7 +451,7 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
     :func:`place_pair`); the batch is padded to a multiple of data x fsdp with rows that emit
     nothing, and only the real rows come back (tokens, stop reasons, acceptance stats alike).
     Multi-process: every process calls this with the same prompts and gets the same result.
-    ``packed_len``: the target's prompt prefill layout, as in ``generate_ids``.
+    ``packed_len`` / ``prefill_chunk``: the target's prompt prefill layout, as in ``generate_ids``.
     """
     sd = as_spec_draft(draft)
     kk = resolve_k(sd, k)
@@ -476,7 +480,8 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
                     params=params,
                     max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len), pad_id=b.pad,
                     cache_dtype=cache_dtype_of(target), draft_dtype=ddtype, trace=bool(trace),
-                    packed_len=resolve_packed_len(packed_len, b))
+                    packed_len=resolve_packed_len(packed_len, b),
+                    prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
     return _result(jax.device_get(out), b, len(prompts), kk, vak, tol, trace)
 
 

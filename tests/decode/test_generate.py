@@ -84,6 +84,50 @@ def test_packed_prefill_equals_padded(tiny, fam):
         model(jnp.asarray(ids), cache=cache, segments=jnp.zeros((P,), jnp.int32))
 
 
+@pytest.mark.parametrize("fam", ["llama", "qwen3"])
+@pytest.mark.parametrize("chunk", [2, 4, 7])
+def test_chunked_prefill_equals_one_pass(tiny, fam, chunk):
+    """Chunks of 2 / 4 / 7 tokens through the cache (qwen3: sliding window 4, so windows span
+    chunks) give the one-pass prefill's last logits, cache rows, lengths and taps, for ragged
+    prompts in a bucket padded far past them; the loop stops after the longest prompt's chunks;
+    generation from it is token-identical; one compile serves prompts of other lengths."""
+    from specjax.models.target import KVCache
+
+    model, _ = tiny[fam]
+    lens = [len(p) for p in PROMPTS]
+    P = 32
+    ids = np.zeros((3, P), np.int32)
+    for i, p in enumerate(PROMPTS):
+        ids[i, : len(p)] = p
+    cache = KVCache.init(model.config, 3, P + 8)
+    taps = (0, 2, model.config.num_hidden_layers)
+    l1, c1, a1 = gen.prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, tap_ids=taps)
+    l2, c2, a2 = jax.jit(lambda i, n, c: gen.prefill(model, i, n, c, tap_ids=taps, chunk=chunk))(
+        jnp.asarray(ids), jnp.asarray(lens), cache)
+    np.testing.assert_allclose(l2, l1, rtol=1e-5, atol=1e-5)
+    assert c2.lengths.tolist() == lens and [a.shape for a in a2] == [a.shape for a in a1]
+    for b, n in enumerate(lens):
+        for x, y in zip(c1.k + c1.v, c2.k + c2.v):
+            np.testing.assert_allclose(y[b, :, :n], x[b, :, :n], rtol=1e-5, atol=1e-5)
+        for x, y in zip(a1, a2):
+            np.testing.assert_allclose(y[b, :n], x[b, :n], rtol=1e-5, atol=1e-5)
+    # no trip past the longest prompt: slots from its last chunk's end on are never written
+    end = -(-max(lens) // chunk) * chunk
+    for x in c2.k:
+        assert not np.asarray(x[:, :, end:]).any()
+    one = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[], packed_len=None, prompt_bucket=32)
+    before = gen.TRACE_COUNT["generate"]
+    chunked = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[], packed_len=None, prompt_bucket=32,
+                           prefill_chunk=chunk)
+    assert chunked.tokens == one.tokens
+    other = [[3, 4], [9] * 20, [7, 8, 9]]
+    again = generate_ids(model, other, max_new_tokens=8, eos_token_ids=[], packed_len=None, prompt_bucket=32,
+                         prefill_chunk=chunk)
+    assert gen.TRACE_COUNT["generate"] == before + 1
+    assert again.tokens == generate_ids(model, other, max_new_tokens=8, eos_token_ids=[], packed_len=None,
+                                        prompt_bucket=32).tokens
+
+
 def test_eos_stops_each_sequence_independently(tiny):
     model, _ = tiny["llama"]
     free = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[]).tokens

@@ -148,6 +148,19 @@ def test_greedy_equal_handoff_and_rollback(targets, drafts, algo):
     assert one.tokens == ref[2:3]
 
 
+@pytest.mark.parametrize("algo", ["eagle3", "dflash"])
+def test_chunked_prefill_same_tokens_and_acceptance(targets, drafts, algo):
+    """The prompt prefill in chunks of 4 through the cache (a 32-token bucket): the draft ingests
+    the same prompt rows, so tokens and per-round acceptance equal the one-pass prefill's."""
+    fam = CASES[algo][0]
+    target, sd = targets[fam], drafts[algo]
+    kw = dict(max_new_tokens=NEW, eos_token_ids=[], packed_len=None, prompt_bucket=32)
+    one = speculative_generate_ids(target, sd, PROMPTS, **kw)
+    chunked = speculative_generate_ids(target, sd, PROMPTS, prefill_chunk=4, **kw)
+    assert chunked.tokens == one.tokens == generate_ids(target, PROMPTS, max_new_tokens=NEW, eos_token_ids=[]).tokens
+    np.testing.assert_array_equal(chunked.stats.hist, one.stats.hist)
+
+
 def test_ragged_batch_equals_one_by_one_with_eos(targets):
     target = targets["llama"]
     sd = load_spec_draft("self:2", target)  # partial acceptance
