@@ -49,29 +49,38 @@ def test_batch_equals_one_by_one(tiny):
     assert batch.tokens == single
 
 
-@pytest.mark.parametrize("fam", ["llama", "qwen3"])
-def test_packed_prefill_equals_padded(tiny, fam):
-    """Prompts back to back in one row (qwen3: sliding window 4) give the padded prefill's last
-    logits, cache rows, lengths and tapped hidden states; generation from it is token-identical."""
+def _padded_prompts(model, P: int = 32):
+    """PROMPTS right-padded to P, their lengths and an empty cache of P + 8 slots."""
     from specjax.models.target import KVCache
 
-    model, _ = tiny[fam]
-    lens = [len(p) for p in PROMPTS]
-    P = 32
-    ids = np.zeros((3, P), np.int32)
+    ids = np.zeros((len(PROMPTS), P), np.int32)
     for i, p in enumerate(PROMPTS):
         ids[i, : len(p)] = p
-    cache = KVCache.init(model.config, 3, P + 8)
-    taps = (1, model.config.num_hidden_layers)
-    l1, c1, a1 = gen.prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, tap_ids=taps)
-    l2, c2, a2 = gen.prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, tap_ids=taps, packed_len=24)
+    return [len(p) for p in PROMPTS], ids, KVCache.init(model.config, len(PROMPTS), P + 8)
+
+
+def _assert_same_prefill(ref, got, lens):
+    """Two prefills' (last logits, cache, taps) agree on every real row and slot."""
+    (l1, c1, a1), (l2, c2, a2) = ref, got
     np.testing.assert_allclose(l2, l1, rtol=1e-5, atol=1e-5)
-    assert c2.lengths.tolist() == c1.lengths.tolist() == lens
+    assert c2.lengths.tolist() == c1.lengths.tolist() == lens and [a.shape for a in a2] == [a.shape for a in a1]
     for b, n in enumerate(lens):
         for x, y in zip(c1.k + c1.v, c2.k + c2.v):
             np.testing.assert_allclose(y[b, :, :n], x[b, :, :n], rtol=1e-5, atol=1e-5)
         for x, y in zip(a1, a2):
             np.testing.assert_allclose(y[b, :n], x[b, :n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fam", ["llama", "qwen3"])
+def test_packed_prefill_equals_padded(tiny, fam):
+    """Prompts back to back in one row (qwen3: sliding window 4) give the padded prefill's last
+    logits, cache rows, lengths and tapped hidden states; generation from it is token-identical."""
+    model, _ = tiny[fam]
+    lens, ids, cache = _padded_prompts(model)
+    taps = (1, model.config.num_hidden_layers)
+    l1, c1, a1 = gen.prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, tap_ids=taps)
+    l2, c2, a2 = gen.prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, tap_ids=taps, packed_len=24)
+    _assert_same_prefill((l1, c1, a1), (l2, c2, a2), lens)
     assert gen.packed_length(lens, 32) == 32 and gen.packed_length(lens, 16) == 32 and gen.packed_length(lens, 9) == 18
     assert gen.packed_length([5], 32) is None and gen.packed_length([30, 30], 32) is None
     assert gen.packed_length([4] * 1000, 4) is None  # past PACK_MAX: stays padded
@@ -81,7 +90,7 @@ def test_packed_prefill_equals_padded(tiny, fam):
     with pytest.raises(ValueError, match="packed_len 16 is shorter than the prompts together \\(17 tokens\\)"):
         generate_ids(model, PROMPTS, max_new_tokens=8, packed_len=16)
     with pytest.raises(ValueError, match="one row and a cache"):
-        model(jnp.asarray(ids), cache=cache, segments=jnp.zeros((P,), jnp.int32))
+        model(jnp.asarray(ids), cache=cache, segments=jnp.zeros((ids.shape[1],), jnp.int32))
 
 
 @pytest.mark.parametrize("fam", ["llama", "qwen3"])
@@ -91,26 +100,13 @@ def test_chunked_prefill_equals_one_pass(tiny, fam, chunk):
     chunks) give the one-pass prefill's last logits, cache rows, lengths and taps, for ragged
     prompts in a bucket padded far past them; the loop stops after the longest prompt's chunks;
     generation from it is token-identical; one compile serves prompts of other lengths."""
-    from specjax.models.target import KVCache
-
     model, _ = tiny[fam]
-    lens = [len(p) for p in PROMPTS]
-    P = 32
-    ids = np.zeros((3, P), np.int32)
-    for i, p in enumerate(PROMPTS):
-        ids[i, : len(p)] = p
-    cache = KVCache.init(model.config, 3, P + 8)
+    lens, ids, cache = _padded_prompts(model)
     taps = (0, 2, model.config.num_hidden_layers)
     l1, c1, a1 = gen.prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, tap_ids=taps)
     l2, c2, a2 = jax.jit(lambda i, n, c: gen.prefill(model, i, n, c, tap_ids=taps, chunk=chunk))(
         jnp.asarray(ids), jnp.asarray(lens), cache)
-    np.testing.assert_allclose(l2, l1, rtol=1e-5, atol=1e-5)
-    assert c2.lengths.tolist() == lens and [a.shape for a in a2] == [a.shape for a in a1]
-    for b, n in enumerate(lens):
-        for x, y in zip(c1.k + c1.v, c2.k + c2.v):
-            np.testing.assert_allclose(y[b, :, :n], x[b, :, :n], rtol=1e-5, atol=1e-5)
-        for x, y in zip(a1, a2):
-            np.testing.assert_allclose(y[b, :n], x[b, :n], rtol=1e-5, atol=1e-5)
+    _assert_same_prefill((l1, c1, a1), (l2, c2, a2), lens)
     # no trip past the longest prompt: slots from its last chunk's end on are never written
     end = -(-max(lens) // chunk) * chunk
     for x in c2.k:
