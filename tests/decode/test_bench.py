@@ -81,3 +81,18 @@ def test_bad_input(ckpts, tmp_path):
     (tmp_path / "x.jsonl").write_text("not json\n")
     with pytest.raises(PromptFileError, match="x.jsonl:1: not JSON"):
         load_prompts(tmp_path / "x.jsonl")
+
+
+def test_bench_own_buckets_at_batch_1(ckpts):
+    """Batch 1 on one device: each prompt pads to its own 32-multiple (one compile per bucket), and
+    every bucket's outputs still equal target-only."""
+    prompts = ckpts["root"] / "ragged.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_ids": ids}) for ids in
+                                 ([3, 4, 5], [(i % 40) + 3 for i in range(45)], [5, 6, 7, 8])) + "\n")
+    code, out = _run(["bench", "-t", str(ckpts["target"]), "-d", str(ckpts["draft"]), "--prompts", str(prompts),
+                      "--k", "2", "-n", "5", "-b", "1", "--no-chat", "--json", "--no-progress"])
+    assert code == 0, out
+    d = json.loads(out.strip().splitlines()[-1])
+    assert d["prompt_buckets"] == [32, 64] and d["prompt_bucket"] == 64
+    assert d["identical_greedy_outputs"] == "3/3" and d["target_only"]["tokens"] == d["speculative"]["tokens"] == 15
+    assert d["compile_s"]["target_only"] > 0 and d["compile_s"]["speculative"] > 0
