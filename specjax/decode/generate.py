@@ -315,11 +315,6 @@ def bucket(n: int, multiple: int = 32) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def _split(model: CausalLM):
-    graphdef, params = nnx.split(model)
-    return graphdef, params
-
-
 @dataclass(frozen=True)
 class Batch:
     """Host-side prepared prompts: right-padded ids, lengths, per-sequence token limits."""
@@ -381,7 +376,7 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
                  sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
                  pad_id: int | None = None, context_length: int | None = None,
                  prompt_bucket: int = 32, mesh=None, packed_len: int | str | None = "auto",
-                 prefill_chunk: int | None = None) -> GenerationResult:
+                 prefill_chunk: int | None = None, split=None) -> GenerationResult:
     """Generate continuations of token-id prompts (a batch, ragged lengths allowed).
 
     Each sequence stops at the first token in ``eos_token_ids`` (default: the config's; ``[]``
@@ -402,12 +397,14 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
     ``prefill_chunk``: without a packed prefill, run the prompts through the cache this many
     tokens at a time, stopping after the longest one (:func:`chunked_prefill`): for prompts padded
     far past their length to share one compile (a fixed ``prompt_bucket``). Single device only.
+
+    ``split``: a cached ``nnx.split(model)`` to skip re-splitting the module on every call.
     """
     b = prepare(model.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
                 context_length=context_length, prompt_bucket=prompt_bucket)
     P = b.padded_len
     max_len = min(P + max_new_tokens, max(b.context_length, P))
-    graphdef, params = _split(model)
+    graphdef, params = split if split is not None else nnx.split(model)
     from specjax.sharding import mesh_of
 
     placed = mesh_of(params)

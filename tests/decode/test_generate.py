@@ -42,6 +42,15 @@ def test_greedy_matches_transformers_generate(tiny, fam):
     assert res.stop_reasons == ["length"] * 3
 
 
+def test_cached_split_same_tokens(tiny):
+    """``split=`` (a cached nnx.split of the model) runs the same program as re-splitting."""
+    from flax import nnx
+
+    model, _ = tiny["llama"]
+    want = generate_ids(model, PROMPTS, max_new_tokens=6, eos_token_ids=[]).tokens
+    assert generate_ids(model, PROMPTS, max_new_tokens=6, eos_token_ids=[], split=nnx.split(model)).tokens == want
+
+
 def test_batch_equals_one_by_one(tiny):
     model, _ = tiny["qwen3"]
     batch = generate_ids(model, PROMPTS, max_new_tokens=8, eos_token_ids=[])
