@@ -129,7 +129,6 @@ def _best_interleaved(calls, iters: int) -> list[float]:
     return best
 
 
-
 def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens: int, k: int, iters: int = 5,
                   split=None, mesh=None) -> dict:
     """Seconds of one target decode step, one verify forward and one draft round at the
