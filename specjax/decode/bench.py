@@ -19,7 +19,8 @@ back (interleaved, so a change in machine load hits both alike). It reports:
 * the seed's prediction ``tau / (k c + 1)`` (it charges verification like one decode step) and
   the same with the measured verify cost, ``tau / (k c + v)``, and measured / predicted;
 * ``decode_only``: the speedup without each side's fixed cost (prefill, the draft's prompt
-  ingest, one token; timed on the same batches with ``max_new_tokens=1``), which the formula
+  ingest, one token; timed on the same batches stopped after one token by ``limit=1``, in the
+  same compiled programs), which the formula
   leaves out, and its ratio to the prediction: what the loop itself achieves.
 
 Padding sequences (to fill the last batch) are generated and timed but not counted.
@@ -332,16 +333,14 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     compile_spec -= sum(one_spec[j] for j in firsts)
     st = SpecStats.merge(stats)
     # the fixed cost of each side (prefill, the draft's prompt ingest, one token), which the
-    # formula leaves out: the same batches with max_new_tokens=1, after one warm-up call
-    for j in firsts:
-        base(j, seed + j, max_new_tokens=1)
-        spec(j, seed + j, max_new_tokens=1)
+    # formula leaves out: the same batches stopped after one token by a runtime limit (the
+    # programs compiled above, with their caches and prefill: nothing to compile)
     fix_base = fix_spec = 0.0
     for j in range(len(batches)):
         t0 = time.perf_counter()
-        base(j, seed + j, max_new_tokens=1)
+        base(j, seed + j, limit=1)
         t1 = time.perf_counter()
-        spec(j, seed + j, max_new_tokens=1)
+        spec(j, seed + j, limit=1)
         fix_base, fix_spec = fix_base + t1 - t0, fix_spec + time.perf_counter() - t1
     n_one = sum(n for _, n in batches)
     # the probes' caches: the batches' mean bucket (half filled by the generation, as in the loop)

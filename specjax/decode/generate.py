@@ -332,13 +332,18 @@ class Batch:
 
 
 def prepare(config, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Sequence[int] | None = None,
-            pad_id: int | None = None, context_length: int | None = None, prompt_bucket: int = 32) -> Batch:
-    """Validate and pad token-id prompts for the jitted loops (shared with speculative decoding)."""
+            pad_id: int | None = None, context_length: int | None = None, prompt_bucket: int = 32,
+            limit: int | None = None) -> Batch:
+    """Validate and pad token-id prompts for the jitted loops (shared with speculative decoding).
+    ``limit``: a lower cap than ``max_new_tokens`` on each sequence's tokens (a runtime value: the
+    loop compiled for ``max_new_tokens`` runs it)."""
     cfg = config
     if not prompts:
         raise ValueError("no prompts given")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if limit is not None and not 1 <= int(limit) <= max_new_tokens:
+        raise ValueError(f"limit must be in 1..max_new_tokens ({max_new_tokens}), got {limit}")
     ctx = int(context_length or cfg.max_position_embeddings)
     lens = [len(p) for p in prompts]
     for i, n in enumerate(lens):
@@ -353,7 +358,8 @@ def prepare(config, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eo
     ids = np.full((len(prompts), P), pad, np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = np.asarray(p, np.int32)
-    limits = np.asarray([min(max_new_tokens, ctx - n) for n in lens], np.int32)
+    cap = max_new_tokens if limit is None else int(limit)
+    limits = np.asarray([min(cap, ctx - n) for n in lens], np.int32)
     return Batch(ids, np.asarray(lens, np.int32), limits, eos, pad, ctx)
 
 
@@ -376,7 +382,7 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
                  sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
                  pad_id: int | None = None, context_length: int | None = None,
                  prompt_bucket: int = 32, mesh=None, packed_len: int | str | None = "auto",
-                 prefill_chunk: int | None = None, split=None) -> GenerationResult:
+                 prefill_chunk: int | None = None, split=None, limit: int | None = None) -> GenerationResult:
     """Generate continuations of token-id prompts (a batch, ragged lengths allowed).
 
     Each sequence stops at the first token in ``eos_token_ids`` (default: the config's; ``[]``
@@ -399,9 +405,13 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
     far past their length to share one compile (a fixed ``prompt_bucket``). Single device only.
 
     ``split``: a cached ``nnx.split(model)`` to skip re-splitting the module on every call.
+
+    ``limit``: stop each sequence after this many tokens (1..max_new_tokens) in the program
+    compiled for ``max_new_tokens`` (a runtime value: no recompile; shapes, caches and prefill as
+    for ``max_new_tokens``).
     """
     b = prepare(model.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
-                context_length=context_length, prompt_bucket=prompt_bucket)
+                context_length=context_length, prompt_bucket=prompt_bucket, limit=limit)
     P = b.padded_len
     max_len = min(P + max_new_tokens, max(b.context_length, P))
     graphdef, params = split if split is not None else nnx.split(model)

@@ -432,7 +432,7 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
                              draft_sampling: str = "greedy", verifier_accept_k: int | None = None,
                              accept_tolerance: float | None = None, lossless: bool = False, trace: bool = False,
                              split=None, mesh=None, packed_len: int | str | None = "auto",
-                             prefill_chunk: int | None = None) -> SpecResult:
+                             prefill_chunk: int | None = None, limit: int | None = None) -> SpecResult:
     """Speculative generation over token-id prompts (ragged batch), same stopping rules and
     output format as :func:`specjax.decode.generate.generate_ids` plus acceptance statistics.
 
@@ -452,6 +452,7 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
     nothing, and only the real rows come back (tokens, stop reasons, acceptance stats alike).
     Multi-process: every process calls this with the same prompts and gets the same result.
     ``packed_len`` / ``prefill_chunk``: the target's prompt prefill layout, as in ``generate_ids``.
+    ``limit``: a runtime cap below ``max_new_tokens`` (no recompile), as in ``generate_ids``.
     """
     sd = as_spec_draft(draft)
     kk = resolve_k(sd, k)
@@ -461,7 +462,7 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
         vak, tol = 1, 0.0
     params = SpecParams(k=kk, sampling=sampling, draft_sampling=draft_sampling)
     b = prepare(target.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
-                context_length=context_length, prompt_bucket=prompt_bucket)
+                context_length=context_length, prompt_bucket=prompt_bucket, limit=limit)
     P = b.padded_len
     max_len = P + max_new_tokens  # verify writes past it are dropped: those tokens are never emitted
     draft_len = P + max_new_tokens + 2 * (kk + 1)

@@ -173,6 +173,20 @@ def test_same_shapes_compile_once(tiny):
     assert a.tokens != b.tokens
 
 
+def test_runtime_limit_is_a_prefix_in_the_same_program(tiny):
+    """``limit`` caps each sequence's tokens inside the program compiled for ``max_new_tokens``."""
+    model, _ = tiny["llama"]
+    full = generate_ids(model, PROMPTS, max_new_tokens=7, eos_token_ids=[])
+    n = gen.TRACE_COUNT["generate"]
+    for lim in (1, 3):
+        cut = generate_ids(model, PROMPTS, max_new_tokens=7, eos_token_ids=[], limit=lim)
+        assert cut.tokens == [t[:lim] for t in full.tokens] and cut.stop_reasons == ["length"] * 3
+    assert gen.TRACE_COUNT["generate"] == n
+    for bad in (0, 8):
+        with pytest.raises(ValueError, match="limit must be in 1..max_new_tokens"):
+            generate_ids(model, PROMPTS, max_new_tokens=7, limit=bad)
+
+
 def test_whole_loop_is_one_program_with_a_while_loop(tiny):
     from flax import nnx
 

@@ -146,6 +146,13 @@ def test_greedy_equal_handoff_and_rollback(targets, drafts, algo):
     # batch 1
     one = speculative_generate_ids(target, sd, PROMPTS[2:3], max_new_tokens=NEW, eos_token_ids=[])
     assert one.tokens == ref[2:3]
+    # a runtime limit: the same program stops every sequence after that many tokens
+    n = spec.TRACE_COUNT["speculative"]
+    for lim in (1, 4):
+        cut = speculative_generate_ids(target, sd, PROMPTS, max_new_tokens=NEW, eos_token_ids=[], trace=True,
+                                       limit=lim)
+        assert cut.tokens == [t[:lim] for t in ref]
+    assert spec.TRACE_COUNT["speculative"] == n
 
 
 @pytest.mark.parametrize("algo", ["eagle3", "dflash"])
