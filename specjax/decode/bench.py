@@ -334,14 +334,17 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     st = SpecStats.merge(stats)
     # the fixed cost of each side (prefill, the draft's prompt ingest, one token), which the
     # formula leaves out: the same batches stopped after one token by a runtime limit (the
-    # programs compiled above, with their caches and prefill: nothing to compile)
-    fix_base = fix_spec = 0.0
-    for j in range(len(batches)):
-        t0 = time.perf_counter()
-        base(j, seed + j, limit=1)
-        t1 = time.perf_counter()
-        spec(j, seed + j, limit=1)
-        fix_base, fix_spec = fix_base + t1 - t0, fix_spec + time.perf_counter() - t1
+    # programs compiled above, with their caches and prefill: nothing to compile); best of two
+    # interleaved passes per batch (a single short call is at the mercy of a load spike)
+    fb, fs = [float("inf")] * len(batches), [float("inf")] * len(batches)
+    for _ in range(2):
+        for j in range(len(batches)):
+            t0 = time.perf_counter()
+            base(j, seed + j, limit=1)
+            t1 = time.perf_counter()
+            spec(j, seed + j, limit=1)
+            fb[j], fs[j] = min(fb[j], t1 - t0), min(fs[j], time.perf_counter() - t1)
+    fix_base, fix_spec = sum(fb), sum(fs)
     n_one = sum(n for _, n in batches)
     # the probes' caches: the batches' mean bucket (half filled by the generation, as in the loop)
     cost = measure_costs(target, draft.module, batch=batch_size, prompt_len=bucket(int(np.mean(lens))),
