@@ -20,8 +20,8 @@ back (interleaved, so a change in machine load hits both alike). It reports:
   the same with the measured verify cost, ``tau / (k c + v)``, and measured / predicted;
 * ``decode_only``: the speedup without each side's fixed cost (prefill, the draft's prompt
   ingest, one token; timed on the same batches stopped after one token by ``limit=1``, in the
-  same compiled programs), which the formula
-  leaves out, and its ratio to the prediction: what the loop itself achieves.
+  same compiled programs), which the formula leaves out, and its ratio to the prediction: what
+  the loop itself achieves.
 
 Padding sequences (to fill the last batch) are generated and timed but not counted.
 
