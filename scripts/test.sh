@@ -6,4 +6,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh" test
 cd "$ROOT"
 export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# JAX's persistent compilation cache, shared by both workers, the notebook kernels and the CLI
+# subprocesses: many tests compile the same programs (the same tiny models, SmolLM2's decode
+# loops), and a hit skips XLA's compile.  Entries are keyed on the program, JAX version and flags.
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$ROOT/.cache/jax-tests}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.2}"
 exec "$ROOT/.venv/bin/python" -m pytest -q -n 2 --dist loadfile --durations=15 "$@"
