@@ -11,4 +11,10 @@ export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # loops), and a hit skips XLA's compile.  Entries are keyed on the program, JAX version and flags.
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$ROOT/.cache/jax-tests}"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.2}"
+# XLA:CPU compiles the suite's programs at LLVM -O0: most tests run tiny models, so compiling dominates
+# them (tests/decode/test_speculative.py 130 -> 84 s); matmuls still run in the precompiled
+# Eigen/oneDNN kernels and the native CPU kernels are built by g++ as usual, so even the SmolLM2
+# end-to-end tests got faster.  Every test and subprocess compiles alike (tests/sharding/eight.py and
+# the multi-process tests pass these flags on); SPECJAX_TEST_XLA_FLAGS="" tests the optimised codegen.
+export XLA_FLAGS="${SPECJAX_TEST_XLA_FLAGS---xla_backend_optimization_level=0} ${XLA_FLAGS:-}"
 exec "$ROOT/.venv/bin/python" -m pytest -q -n 2 --dist loadfile --durations=15 "$@"

@@ -12,6 +12,23 @@ import pytest
 SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def jitted(model):
+    """``model``'s forward as one jitted program per shape (``tap_ids`` / ``return_logits`` static):
+    a test that runs a model op by op compiles hundreds of tiny XLA programs instead."""
+    import functools
+
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnames=("tap_ids", "return_logits"))
+    def fwd(state, input_ids, **kw):
+        return nnx.merge(graphdef, state)(input_ids, **kw)
+
+    return lambda input_ids, **kw: fwd(state, input_ids, **kw)
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / np.abs(b).max())

@@ -10,7 +10,7 @@ import torch
 
 from specjax.models.hf import load_hf_dir
 from specjax.models.target import KVCache
-from tests.models.conftest import rel_err
+from tests.models.conftest import jitted, rel_err
 from tests.refs.speculators_ckpts import LAYERS, VOCAB
 
 TOL = 1e-5
@@ -104,11 +104,12 @@ def test_right_padding_with_attention_mask_matches_transformers(tiny_target):
 def test_prefill_then_cached_decode_equals_full_forward(tiny_target, name):
     fam, over = CONFIGS[name]
     d, _ = tiny_target(fam, **over)
-    model = load_hf_dir(d)
+    module = load_hf_dir(d)
+    model = jitted(module)
     T, P = 12, 5
     ids = np.random.default_rng(3).integers(0, VOCAB, (2, T))
     full = model(jnp.asarray(ids), tap_ids=(0, 4, LAYERS))
-    cache = KVCache.init(model.config, 2, 16)
+    cache = KVCache.init(module.config, 2, 16)
     out = model(jnp.asarray(ids[:, :P]), cache=cache, tap_ids=(0, 4, LAYERS))
     logits, taps = [out.logits], [out.aux_hidden_states]
     cache = out.cache
@@ -128,12 +129,12 @@ def test_multi_token_append_and_rollback(tiny_target):
     """Verify-style step: append 3 tokens at once, reject the last 2, append corrected tokens."""
     d, _ = tiny_target("qwen3", tie_word_embeddings=True, use_sliding_window=True, sliding_window=4,
                        max_window_layers=2)
-    model = load_hf_dir(d)
+    model = jitted(load_hf_dir(d))
     rng = np.random.default_rng(4)
     prompt = rng.integers(0, VOCAB, (1, 6))
     draft = rng.integers(0, VOCAB, (1, 3))
     fix = rng.integers(0, VOCAB, (1, 2))
-    cache = model(jnp.asarray(prompt), cache=KVCache.init(model.config, 1, 16)).cache
+    cache = model(jnp.asarray(prompt), cache=KVCache.init(load_hf_dir(d).config, 1, 16)).cache
     step = model(jnp.asarray(draft), cache=cache)
     assert step.logits.shape == (1, 3, VOCAB) and step.cache.lengths.tolist() == [9]
     cache = step.cache.rollback([7])  # keep prompt + first drafted token
@@ -146,7 +147,8 @@ def test_multi_token_append_and_rollback(tiny_target):
 
 def test_ragged_prefill_and_decode_per_sequence(tiny_target):
     d, _ = tiny_target("llama")
-    model = load_hf_dir(d)
+    module = load_hf_dir(d)
+    model = jitted(module)
     rng = np.random.default_rng(5)
     lens = [3, 7]
     seqs = [rng.integers(0, VOCAB, 10) for _ in lens]
@@ -155,7 +157,7 @@ def test_ragged_prefill_and_decode_per_sequence(tiny_target):
     for i, n in enumerate(lens):
         ids[i, :n] = seqs[i][:n]
     mask = np.arange(P)[None] < np.asarray(lens)[:, None]
-    out = model(jnp.asarray(ids), cache=KVCache.init(model.config, 2, 12), attention_mask=jnp.asarray(mask),
+    out = model(jnp.asarray(ids), cache=KVCache.init(module.config, 2, 12), attention_mask=jnp.asarray(mask),
                 logits_at=jnp.asarray(lens) - 1)
     assert out.cache.lengths.tolist() == lens and out.logits.shape == (2, VOCAB)
     cache, steps = out.cache, [out.logits]

@@ -21,7 +21,7 @@ def run_eight(args: list[str], *, what: str, timeout_s: int, xla_flags: str = ""
     Returns stdout + stderr."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP)}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {xla_flags}".strip())
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {xla_flags} {os.environ.get('XLA_FLAGS', '')}".strip())
     try:
         r = subprocess.run([sys.executable, *args], cwd=str(ROOT), env=env, capture_output=True, text=True,
                            timeout=timeout_s)

@@ -30,7 +30,7 @@ def _free_port() -> int:
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECJAX_", "JAX_COORDINATOR"))}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1",
-               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+               XLA_FLAGS=f"--xla_cpu_multi_thread_eigen=false {os.environ.get('XLA_FLAGS', '')}".strip())
     env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
     return env
 

@@ -17,7 +17,11 @@ from specjax.train.objectives import dflash_objective, eagle3_objective, normali
 from tests.refs.spec_forward import load_reference, packed_batch
 from tests.train.conftest import rel_err
 
-LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+# Our side runs jitted, as the trainer's step does (one compile instead of thousands of eager op
+# dispatches: these two files 178 -> about 75 s). XLA's fused reductions sum in another order than
+# torch's: the worst case here (EAGLE-3 kl_div, a random-init loss of 0.0328) is 1.04e-5 relative
+# under the suite's -O0 codegen, 3.4e-7 absolute; eager dispatch and -O2 stayed under 1e-5.
+LOSS_TOL, GRAD_TOL = 2e-5, 1e-4
 GRAD_PARAMS = {  # torch name -> (our path, transpose)
     "fc.weight": (("fc", "kernel"), True),
     "layers.0.self_attn.q_proj.weight": (("layers", 0, "self_attn", "q_proj", "kernel"), True),
@@ -42,12 +46,13 @@ def _ref_run(model, batch, fwd_kw, loss):
 
 
 def _ours_grad(draft, fn):
+    """Loss, metrics and parameter gradients of ``fn(draft)``, jitted like a training step."""
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
 
     def f(p):
         return fn(nnx.merge(graphdef, p, rest))
 
-    (loss, metrics), g = jax.value_and_grad(f, has_aux=True)(params)
+    (loss, metrics), g = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
     flat = {tuple(k): v for k, v in nnx.to_flat_state(g)}
     return float(loss), normalize_metrics(jax.device_get(metrics)), flat
 
