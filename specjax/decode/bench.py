@@ -1,8 +1,9 @@
 """Target-only vs speculative decoding over the same prompts, in one process.
 
 :func:`run_bench` pads every batch to ``batch_size``. At batch > 1 it pads every prompt to one
-bucket and prefills each batch's prompts back to back in one packed row of one length (the longest
-batch's; see ``generate.prefill``): each loop compiles once. Unpacked on one device (batch 1),
+bucket and prefills each batch's prompts back to back in one packed row of one length (the one
+``generate_ids``' "auto" picks for the longest batch; see ``generate.prefill``): each loop compiles
+once. Unpacked on one device (batch 1),
 each batch pads to its own bucket (a multiple of 32; one compile per bucket), so its prefill pays
 for about its real length. Compile time is measured on a warm-up batch of each bucket and
 excluded. Then per batch it times target-only generation and speculative generation back to
@@ -46,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.decode.generate import bucket, generate_ids, worth_packing
+from specjax.decode.generate import bucket, generate_ids, packed_length
 from specjax.decode.sampling import GREEDY, SamplingParams
 from specjax.decode.spec_stats import SpecStats, alpha_from_tau, predicted_speedup
 from specjax.decode.speculative import _Pair, SpecDraft, place_pair, resolve_k, speculative_generate_ids, split_pair
@@ -171,34 +172,17 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     # fed by the previous one's tokens, and a round costs the difference between 2R and R rounds
     # per R: what the on-device loop pays per round, without the per-call host work (flattening
     # ~300 param leaves, 1-3 ms for SmolLM2: as much as a whole draft round). The target's cache
-    # is donated and handed back (lengths reset), so it is updated in place as in the loop.
-    @functools.partial(jax.jit, donate_argnums=(2,))
-    def step(state, ids, cache, reps):
-        t = nnx.merge(graphdef, state).target
-
-        def body(_, c):
-            ids, cache = c
-            out = t(ids, cache=cache, logits_at=jnp.zeros((ids.shape[0],), jnp.int32))
-            return first_argmax(out.logits)[:, None], out.cache.rollback(cache.lengths)
-        return jax.lax.fori_loop(0, reps, body, (ids, cache))
-
-    @functools.partial(jax.jit, donate_argnums=(2,))
-    def verify(state, ids, cache, reps):
-        t = nnx.merge(graphdef, state).target
-
-        def body(_, c):
-            ids, cache, _aux = c
-            out = t(ids, cache=cache, tap_ids=taps)
-            return first_argmax(out.logits), out.cache.rollback(cache.lengths), out.aux_hidden_states
-        aux0 = tuple(jnp.zeros((*ids.shape, cfg.hidden_size), dtype) for _ in taps)
-        ids, cache, aux = jax.lax.fori_loop(0, reps, body, (ids, cache, aux0))
-        return (ids, aux), cache
+    # is donated and handed back (lengths reset), so it is updated in place as in the loop. The
+    # target probes are compiled per target (not per pair): another draft reuses them.
+    tgraph, tstate = _target_split(graphdef, state)
+    step = functools.partial(_probe_step, tgraph)
+    verify = functools.partial(_probe_verify, tgraph, taps)
 
     def cycled(fn, ids):
         box = [jax.tree.map(jnp.copy, tcache)]
 
         def call(reps):
-            out, box[0] = fn(state, ids, box[0], reps)
+            out, box[0] = fn(tstate, ids, box[0], reps)
             return out
         return call
 
@@ -230,6 +214,38 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     return {"target_step_ms": round(1e3 * t_step, 3), "verify_ms": round(1e3 * t_verify, 3),
             "draft_round_ms": round(1e3 * t_draft, 3), "c": t_draft / (k * t_step),
             "verify_overhead": t_verify / t_step}
+
+
+def _target_split(pair_graphdef, pair_state):
+    """The target's own ``(graphdef, state)`` out of a pair's split (the same arrays)."""
+    pair = nnx.merge(pair_graphdef, pair_state)
+    return nnx.split(pair.target)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def _probe_step(graphdef, state, ids, cache, reps):
+    """``reps`` target decode steps (1 token, the last logit), each fed the previous argmax."""
+    t = nnx.merge(graphdef, state)
+
+    def body(_, c):
+        ids, cache = c
+        out = t(ids, cache=cache, logits_at=jnp.zeros((ids.shape[0],), jnp.int32))
+        return first_argmax(out.logits)[:, None], out.cache.rollback(cache.lengths)
+    return jax.lax.fori_loop(0, reps, body, (ids, cache))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
+def _probe_verify(graphdef, taps, state, ids, cache, reps):
+    """``reps`` verify forwards ([B, k+1] tokens, every logit, the draft's taps)."""
+    t = nnx.merge(graphdef, state)
+
+    def body(_, c):
+        ids, cache, _aux = c
+        out = t(ids, cache=cache, tap_ids=taps)
+        return first_argmax(out.logits), out.cache.rollback(cache.lengths), out.aux_hidden_states
+    aux0 = tuple(jnp.zeros((*ids.shape, t.config.hidden_size), cache.k[0].dtype) for _ in taps)
+    ids, cache, aux = jax.lax.fori_loop(0, reps, body, (ids, cache, aux0))
+    return (ids, aux), cache
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -272,9 +288,10 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
         split = place_pair(target, draft.module, mesh)
     else:
         split = split_pair(target, draft.module)
-    # one packed prefill length for every batch (one compile): the longest batch, rounded to 32
-    packed = bucket(max(sum(len(p) for p in b) for b, _ in batches))
-    packed = packed if worth_packing(packed, batch_size, P) and mesh is None else None
+    # one packed prefill length for every batch (one compile): the length generate_ids' "auto"
+    # picks for the longest batch (its prompts' sum rounded up to a multiple of the bucket), so a
+    # generate call on the same prompts (notebook 02) runs the bench's compiled programs
+    packed = packed_length(max(([len(p) for p in b] for b, _ in batches), key=sum), P) if mesh is None else None
     # unpacked on one device (batch 1): each batch pads to its own bucket (a multiple of 32), one
     # compile per bucket, so a prefill pays for about its real length at full GEMM rows (on 2 cores
     # this beats one bucket for all with a chunked prefill: 16 held-out code prompts of 64-195
