@@ -25,7 +25,7 @@ from pathlib import Path
 
 SOURCES = ("panel_matmul.cc", "decode_attention.cc")
 HEADERS = ("common.h",)
-TARGETS = ("specjax_panel_matmul", "specjax_decode_attention")
+TARGETS = ("specjax_panel_matmul", "specjax_panel_matmul_bf16", "specjax_decode_attention")
 
 _lock = threading.Lock()
 _state: dict = {}

@@ -1,6 +1,9 @@
 // specjax CPU kernel: y[M, N] = x[M, K] @ W, with W prepacked into column panels
 // w[P, K, Wd] (panel p holds columns p*Wd .. p*Wd+Wd-1 of the [K, N] kernel, N = P*Wd,
-// Wd in {16, 32, 64}).
+// Wd in {16, 32, 64}). The panels are float32 (specjax_panel_matmul) or bfloat16
+// (specjax_panel_matmul_bf16: half the bytes to stream; each weight is widened to float32 exactly
+// -- a bf16 is the top half of a float32 -- so the products and sums are those of the float32
+// kernel on the same values, and the rows of x stay float32).
 //
 // Why: a decode step multiplies a few rows (the batch, or the k+1 verified tokens) by every
 // weight of the model once, so it is bound by how fast the weights stream from memory. XLA's CPU
@@ -28,6 +31,19 @@ using specjax::splat;
 using specjax::store16;
 using specjax::v16;
 
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));  // 16 bf16, unaligned access
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+// 16 consecutive weights as 16 floats: float32 as they are, bfloat16 (raw uint16) shifted into
+// the top half of a float32 (exact).
+static inline v16 load_w(const float* p) { return load16(p); }
+static inline v16 load_w(const uint16_t* p) {
+  u32x16 u = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
+  v16 v;
+  __builtin_memcpy(&v, &u, sizeof v);
+  return v;
+}
+
 // An empty asm that "changes" v: the compiler must keep it in a register instead of re-loading it
 // (only where one 16-float vector is one register: AVX-512; elsewhere a no-op).
 static inline void keep_in_register(v16& v) {
@@ -40,17 +56,17 @@ static inline void keep_in_register(v16& v) {
 
 // rows of x (row stride ldx) times rows k0 .. k1-1 of panel w [K, 16*V] into y (row stride N);
 // accumulates onto y when `add` (a later chunk of K), else overwrites it.
-template <int R, int V>
-static void panel_rows(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* w, float* y, int64_t N,
+template <int R, int V, typename T>
+static void panel_rows(const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* w, float* y, int64_t N,
                        bool add) {
   v16 acc[R][V];
   for (int i = 0; i < R; i++)
     for (int j = 0; j < V; j++) acc[i][j] = add ? load16(y + i * N + 16 * j) : v16{};
   for (int64_t k = k0; k < k1; k++) {
-    const float* wk = w + k * 16 * V;
+    const T* wk = w + k * 16 * V;
     for (int j = 0; j < V; j++) __builtin_prefetch(wk + 16 * V * PREFETCH_ROWS + 16 * j);
     v16 wv[V];
-    for (int j = 0; j < V; j++) wv[j] = load16(wk + 16 * j);
+    for (int j = 0; j < V; j++) wv[j] = load_w(wk + 16 * j);
     // keep the panel row in registers: one load per vector, not one per row (GCC otherwise
     // folds the load into every FMA, and loads, not FMAs, become the limit at 4 rows)
     for (int j = 0; j < V; j++) keep_in_register(wv[j]);
@@ -65,8 +81,8 @@ static void panel_rows(const float* x, int64_t ldx, int64_t k0, int64_t k1, cons
 
 // All M rows times one panel. More than 4 rows go in groups of 4 over chunks of K small enough
 // to stay in the core's cache, so the panel streams from memory once whatever M is.
-template <int V>
-static void panel(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
+template <int V, typename T>
+static void panel(const float* x, int64_t M, int64_t K, const T* w, float* y, int64_t N) {
   const int64_t chunk = M <= 4 ? K : std::max<int64_t>(1, 32768 / (64 * V));
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     int64_t k1 = std::min(K, k0 + chunk);
@@ -75,16 +91,17 @@ static void panel(const float* x, int64_t M, int64_t K, const float* w, float* y
       float* yr = y + r0 * N;
       bool add = k0 > 0;
       switch (std::min<int64_t>(4, M - r0)) {
-        case 1: panel_rows<1, V>(xr, K, k0, k1, w, yr, N, add); break;
-        case 2: panel_rows<2, V>(xr, K, k0, k1, w, yr, N, add); break;
-        case 3: panel_rows<3, V>(xr, K, k0, k1, w, yr, N, add); break;
-        default: panel_rows<4, V>(xr, K, k0, k1, w, yr, N, add); break;
+        case 1: panel_rows<1, V, T>(xr, K, k0, k1, w, yr, N, add); break;
+        case 2: panel_rows<2, V, T>(xr, K, k0, k1, w, yr, N, add); break;
+        case 3: panel_rows<3, V, T>(xr, K, k0, k1, w, yr, N, add); break;
+        default: panel_rows<4, V, T>(xr, K, k0, k1, w, yr, N, add); break;
       }
     }
   }
 }
 
-static ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType WT>
+static ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                               ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
@@ -103,11 +120,11 @@ static ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
     return ffi::Error::Success();
   }
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const auto* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t N = P * Wd;
   specjax::parallel_for(pool, P, [=](int64_t p) {
-    const float* wpp = wp + p * K * Wd;
+    const auto* wpp = wp + p * K * Wd;
     float* ypp = yp + p * Wd;
     switch (Wd) {
       case 16: panel<1>(xp, M, K, wpp, ypp, N); break;
@@ -118,9 +135,16 @@ static ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_panel_matmul, PanelMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_panel_matmul, PanelMatmul<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_panel_matmul_bf16, PanelMatmul<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

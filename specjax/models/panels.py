@@ -17,11 +17,18 @@ Packing is a decode-time view of the params (:func:`decode_state`): each packed 
 never sees it, and the panels are cached per source array while it lives, so repeated generate
 calls on the same model pack once. Only float32 params are packed, and only when the kernels
 built (:func:`specjax.kernels.available`); sharded runs keep the plain layout.
+
+A float32 param whose every value is a bfloat16 (a draft or target from a bf16 checkpoint, run in
+float32: speculators exports bf16) is packed into **bfloat16 panels** (:func:`bf16_exact`): the
+kernel streams half the bytes and widens each weight back to the same float32 exactly, so the
+products, the sums and the outputs are those of the float32 panels. ``SPECJAX_PANEL_BF16=0``
+keeps float32 panels for every param (for side-by-side timing).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import weakref
 
@@ -35,6 +42,18 @@ from specjax import kernels
 MAX_ROWS = 16  # rows (batch x tokens) up to which the panel kernel runs; longer inputs (prefill) use XLA's dot
 WIDTHS = (64, 32, 16)
 MIN_PANELS = 8  # prefer the widest panel that still gives this many (work units for the threads)
+PANEL_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def bf16_panels_enabled() -> bool:
+    """bf16-exact params get bfloat16 panels unless ``SPECJAX_PANEL_BF16`` is 0 / false / no / off."""
+    return os.environ.get("SPECJAX_PANEL_BF16", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@jax.jit
+def bf16_exact(w):
+    """True when every value of float32 ``w`` is a bfloat16 (the round trip through bf16 gives it back)."""
+    return jnp.all(w.astype(jnp.bfloat16).astype(w.dtype) == w)
 
 
 def panel_width(n: int) -> int | None:
@@ -102,16 +121,19 @@ def attention_fits(q_proj, q, k) -> bool:
 
 
 def matmul(x, wp):
-    """``x @ w`` on the panel kernel: ``x`` [..., K] float32 and packed ``wp`` [P, K, Wd] ->
-    float32 [..., P Wd]. Needs :func:`specjax.kernels.available`."""
+    """``x @ w`` on the panel kernel: ``x`` [..., K] float32 and packed ``wp`` [P, K, Wd] (float32,
+    or bfloat16 widened exactly to float32 in the kernel) -> float32 [..., P Wd]. Needs
+    :func:`specjax.kernels.available`."""
     P, K, W = wp.shape
     if x.shape[-1] != K:
         raise ValueError(f"panel matmul: x has {x.shape[-1]} features, the packed kernel expects {K}")
-    if x.dtype != jnp.float32 or wp.dtype != jnp.float32:
-        raise TypeError(f"panel matmul takes float32, got x {x.dtype} and panels {wp.dtype}")
+    if x.dtype != jnp.float32 or wp.dtype not in PANEL_DTYPES:
+        raise TypeError(f"panel matmul takes float32 rows and float32 or bfloat16 panels, got x {x.dtype} and "
+                        f"panels {wp.dtype}")
     lead = x.shape[:-1]
     M = math.prod(lead)
-    y = jax.ffi.ffi_call("specjax_panel_matmul", jax.ShapeDtypeStruct((M, P * W), jnp.float32),
+    target = "specjax_panel_matmul_bf16" if wp.dtype == jnp.bfloat16 else "specjax_panel_matmul"
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, P * W), jnp.float32),
                          vmap_method="sequential")(jnp.reshape(x, (M, K)), wp)
     return jnp.reshape(y, (*lead, P * W))
 
@@ -204,7 +226,7 @@ class _Cache:
             self.items.pop(key, None)
 
     def get(self, x, kind: str):
-        key = (id(x), kind)
+        key = (id(x), kind, bf16_panels_enabled())
         with self.lock:
             hit = self.items.get(key)
         if hit is not None and hit[0]() is x:
@@ -216,7 +238,16 @@ class _Cache:
         return packed
 
 
-_PACKERS = {"kernel": jax.jit(pack), "embedding": jax.jit(pack_embedding)}
+def _packer(layout):
+    as_f32, as_bf16 = jax.jit(layout), jax.jit(lambda w: layout(w).astype(jnp.bfloat16))
+
+    def run(x):
+        """Panels of ``x``: bfloat16 when every value is one (lossless, half the bytes), else float32."""
+        return as_bf16(x) if bf16_panels_enabled() and bool(bf16_exact(x)) else as_f32(x)
+    return run
+
+
+_PACKERS = {"kernel": _packer(pack), "embedding": _packer(pack_embedding)}
 CACHE = _Cache()
 
 

@@ -73,6 +73,68 @@ def test_kernel_leading_dims_and_errors():
         panels.matmul(x.astype(jnp.bfloat16), wp)
 
 
+def _bf16_valued(tree):
+    """float32 params holding bfloat16 values (a bf16 checkpoint loaded in float32)."""
+    return jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype) if a.dtype == jnp.float32 else a, tree)
+
+
+@needs_kernels
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("K,N", [(7, 16), (100, 96), (576, 192)])
+def test_bf16_panels_give_the_float32_kernels_bits(M, K, N):
+    """bf16 panels widen each weight to the same float32 exactly: for bf16-valued weights the
+    output is bit-equal to the float32 panels' (same products, same order of sums)."""
+    rng = np.random.default_rng(M * 7 + K)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+    wp = panels.pack(w)
+    y32 = np.asarray(jax.jit(panels.matmul)(x, wp))
+    y16 = np.asarray(jax.jit(panels.matmul)(x, wp.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(y16, y32)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert np.abs(y16 - want).max() <= 1e-5 * np.sqrt(K) * np.abs(want).max()
+
+
+def test_bf16_exact():
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+    assert not bool(panels.bf16_exact(w))
+    assert bool(panels.bf16_exact(w.astype(jnp.bfloat16).astype(jnp.float32)))
+    assert not bool(panels.bf16_exact(w.at[3, 4].set(jnp.nan)))  # NaN never compares equal: float32 panels
+
+
+@needs_kernels
+def test_bf16_valued_params_get_bf16_panels(tied, monkeypatch):
+    """A model whose float32 params are all bf16 values (a bf16 checkpoint run in float32) packs
+    bfloat16 panels; float32-valued params keep float32 panels; SPECJAX_PANEL_BF16=0 turns it off.
+    Generation is token-identical to the plain XLA path either way, with the same logits bits as
+    the float32 panels."""
+    graphdef, state = nnx.split(tied)
+    bstate = _bf16_valued(state)
+    bf = nnx.merge(graphdef, bstate)
+
+    def dtypes(root, st):
+        return {v.get_value().packed.dtype for _, v in nnx.to_flat_state(panels.decode_state(root, st))
+                if isinstance(v.get_value(), panels.Paneled)}
+
+    assert dtypes(tied, state) == {jnp.dtype(jnp.float32)}
+    assert dtypes(bf, bstate) == {jnp.dtype(jnp.bfloat16)}
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    on = generate_ids(bf, prompts, max_new_tokens=10, eos_token_ids=[])
+
+    @jax.jit
+    def step_logits(st, ids):
+        return nnx.merge(graphdef, st)(ids, cache=KVCache.init(tied.config, 1, 8)).logits
+
+    ids = jnp.asarray([[5, 6, 7]], jnp.int32)
+    l16 = np.asarray(step_logits(panels.decode_state(bf, bstate), ids))
+    monkeypatch.setenv("SPECJAX_PANEL_BF16", "0")
+    assert dtypes(bf, bstate) == {jnp.dtype(jnp.float32)}
+    l32 = np.asarray(step_logits(panels.decode_state(bf, bstate), ids))
+    np.testing.assert_array_equal(l16, l32)
+    monkeypatch.setenv("SPECJAX_CPU_KERNELS", "0")
+    assert generate_ids(bf, prompts, max_new_tokens=10, eos_token_ids=[]).tokens == on.tokens
+
+
 def test_paneled_reads_as_the_plain_param():
     w = jnp.arange(64.0, dtype=jnp.float32).reshape(4, 16)
     p = panels.Paneled(w, panels.pack(w))
@@ -106,7 +168,7 @@ def test_decode_state_packs_kernels_and_the_tied_head(tied):
 @needs_kernels
 def test_panels_go_with_their_source():
     w = jnp.ones((32, 64), jnp.float32)
-    key = (id(w), "kernel")
+    key = (id(w), "kernel", panels.bf16_panels_enabled())
     panels.CACHE.get(w, "kernel")
     assert key in panels.CACHE.items
     del w
