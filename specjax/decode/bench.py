@@ -403,6 +403,8 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
         from specjax import kernels
 
         data["cpu_kernels"] = kernels.available()
+        if data["cpu_kernels"]:  # which weights the kernels stream as bf16 (bf16-valued params)
+            data["panel_dtypes"] = panels.panel_dtypes(panels.decode_state(_Pair(target, draft.module), split[1]))
     else:
         from specjax.sharding import describe
 

@@ -277,3 +277,14 @@ def decode_state(root, state):
     return jax.tree_util.tree_map_with_path(swap, state)
 
 
+
+
+def panel_dtypes(state) -> dict[str, list[str]]:
+    """``{part: sorted panel dtypes}`` of a decode-time ``state`` (``part`` = the first path
+    element, e.g. ``target`` / ``draft`` of a pair); parts with no panels are left out."""
+    out: dict[str, set] = {}
+    for kp, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda a: isinstance(a, Paneled))[0]:
+        if isinstance(x, Paneled):
+            head = getattr(kp[0], "key", getattr(kp[0], "name", kp[0]))
+            out.setdefault(str(head), set()).add(jnp.dtype(x.packed.dtype).name)
+    return {k: sorted(v) for k, v in out.items()}

@@ -43,6 +43,8 @@ def test_bench_json_and_plot(ckpts):
     for key in ("speedup", "predicted_speedup", "speedup_over_predicted", "predicted_speedup_with_verify_cost"):
         assert d[key] > 0
     assert d["cost"]["c"] > 0 and d["cost"]["target_step_ms"] > 0 and not d["lossy"]
+    if d["cpu_kernels"]:  # random float32 weights are not bf16 values: float32 panels on both sides
+        assert d["panel_dtypes"] == {"target": ["float32"], "draft": ["float32"]}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
