@@ -178,7 +178,8 @@ def load_spec_draft(draft, target, *, dtype=None, speculative_tokens: int = 3, m
     target, then ``load_draft``), ``None`` / ``"self"`` / ``"self:M"`` (a :class:`SelfDraft` of the
     target's first M layers), a draft module, or a ``SpecDraft``. ``target``: a ``LoadedTarget``
     or ``CausalLM``. ``dtype`` None: the target's parameter dtype (speculators exports bf16; on a
-    CPU an f32 target runs an f32 draft much faster than a bf16 one). ``mesh`` (more than one
+    CPU an f32 target runs an f32 draft much faster than a bf16 one, and the single-device loop
+    streams such a draft's bf16-valued weights as bf16 panels, :mod:`specjax.models.panels`). ``mesh`` (more than one
     device): a checkpoint loads straight into its ``DRAFT_RULES`` shardings
     (``specjax.sharding.load_draft``)."""
     from specjax.decode.selfdraft import SelfDraft
