@@ -1,19 +1,21 @@
-// specjax CPU kernel: attention of a few query tokens over a heads-major KV cache, reading only
-// the slots each query can see.
+// specjax CPU kernel: attention of a few query tokens over a KV cache, reading only the slots
+// each query can see.
 //
-//   q    [B, T, Hq, D]   float32 (rotated, normed)
-//   k, v [B, Hkv, S, D]  float32 (the cache, this step's tokens already written)
-//   pos  [B, T]          int32: query t of sequence b sits at position pos[b, t]
-//   attrs: window (int64, 0 = none), scale (float32)
-//   out  [B, T, Hq, D]   float32
+//   q      [B, T, Hq, D]                        float32 (rotated, normed)
+//   k, v   [B, Hkv, S, D] (heads-major) or      float32 (the cache, this step's rows already
+//          [B, S, Hkv, D] (seq_major = 1)       written)
+//   lo, hi [B, T]                               int32: query t of sequence b sees the slots
+//                                               lo[b, t] .. hi[b, t] (inclusive, clipped to 0..S-1)
+//   attrs: scale (float32), seq_major (int64: 0 heads-major, as the target's cache; 1 seq-major,
+//          as a draft's)
+//   out    [B, T, Hq, D]                        float32
 //
-// Key slot j is visible from query (b, t) iff j <= pos[b, t] and, with a window W,
-// j > pos[b, t] - W (slot == position, as specjax.models.target's cache contract says). That
-// is the mask the XLA path builds (layers.causal_mask over arange(S)); the XLA path then scores
-// every slot of the cache and masks, so a decode step pays for max_len slots whatever the
-// sequence's length, while this kernel reads only [lo, hi] of each row. Softmax in float32 with
-// the max subtracted. A query that sees no slot gets zeros (the XLA path gives finite garbage;
-// no caller reads either).
+// The target's causal mask (layers.causal_mask over arange(S)) is the range [pos - W + 1, pos]
+// (or [0, pos] without a window); a chain draft step's mask (drafts.common.cache_mask) is one
+// contiguous range too. The XLA paths score every slot of the cache and mask, so a decode step
+// pays for max_len slots whatever the sequence's length, while this kernel reads only [lo, hi]
+// of each row. Softmax in float32 with the max subtracted. A query that sees no slot gets zeros
+// (the XLA path gives finite garbage; no caller reads either).
 //
 // Work units are (b, t, kv head), shared out as in panel_matmul.cc (common.h);
 // a unit loads each visible key and value row once for the kv head's G query heads.
@@ -29,9 +31,10 @@ namespace ffi = xla::ffi;
 
 struct AttJob {
   const float *q, *k, *v;
-  const int32_t* pos;
+  const int32_t *lo, *hi;
   float* out;
-  int64_t T, Hq, Hkv, S, D, window;
+  int64_t T, Hq, Hkv, S, D;
+  bool seq_major;
   float scale;
 };
 
@@ -77,11 +80,11 @@ static inline float hsum(v16 x) {
 }
 
 // G query rows of one kv head against slots [lo, hi]: each key and value row is loaded once for
-// all G rows. C = D / 16 vectors per row. lg: G rows of S + 16 floats.
+// all G rows. C = D / 16 vectors per row; slot s's row starts at kb + s * ld. lg: G rows of
+// S + 16 floats.
 template <int C>
-static void att_group(const float* const* qr, int64_t G, const float* kb, const float* vb, int64_t lo, int64_t hi,
-                      float scale, float* lg, int64_t ld_lg, float* const* o) {
-  constexpr int64_t D = 16 * C;
+static void att_group(const float* const* qr, int64_t G, const float* kb, const float* vb, int64_t ld, int64_t lo,
+                      int64_t hi, float scale, float* lg, int64_t ld_lg, float* const* o) {
   v16 qv[8][C];
   float mx[8];
   for (int64_t g = 0; g < G; g++) {
@@ -90,7 +93,7 @@ static void att_group(const float* const* qr, int64_t G, const float* kb, const 
   }
   for (int64_t s = lo; s <= hi; s++) {
     v16 kv[C];
-    for (int c = 0; c < C; c++) kv[c] = load16(kb + s * D + 16 * c);
+    for (int c = 0; c < C; c++) kv[c] = load16(kb + s * ld + 16 * c);
     for (int64_t g = 0; g < G; g++) {
       v16 acc = qv[g][0] * kv[0];
       for (int c = 1; c < C; c++) acc += qv[g][c] * kv[c];
@@ -121,7 +124,7 @@ static void att_group(const float* const* qr, int64_t G, const float* kb, const 
     for (int c = 0; c < C; c++) ov[g][c] = v16{};
   for (int64_t s = lo; s <= hi; s++) {
     v16 vv[C];
-    for (int c = 0; c < C; c++) vv[c] = load16(vb + s * D + 16 * c);
+    for (int c = 0; c < C; c++) vv[c] = load16(vb + s * ld + 16 * c);
     for (int64_t g = 0; g < G; g++) {
       const float w = lg[g * ld_lg + s];
       for (int c = 0; c < C; c++) ov[g][c] += w * vv[c];
@@ -132,12 +135,12 @@ static void att_group(const float* const* qr, int64_t G, const float* kb, const 
 }
 
 // The same for any D and G, one row at a time (no vectors).
-static void att_row_scalar(const float* qr, const float* kb, const float* vb, int64_t lo, int64_t hi, int64_t D,
-                           float scale, float* lg, float* o) {
+static void att_row_scalar(const float* qr, const float* kb, const float* vb, int64_t ld, int64_t lo, int64_t hi,
+                           int64_t D, float scale, float* lg, float* o) {
   float mx = -INFINITY;
   for (int64_t s = lo; s <= hi; s++) {
     float a = 0.0f;
-    for (int64_t d = 0; d < D; d++) a += qr[d] * kb[s * D + d];
+    for (int64_t d = 0; d < D; d++) a += qr[d] * kb[s * ld + d];
     lg[s] = a * scale;
     mx = std::max(mx, lg[s]);
   }
@@ -149,17 +152,20 @@ static void att_row_scalar(const float* qr, const float* kb, const float* vb, in
   const float inv = 1.0f / sum;
   std::fill(o, o + D, 0.0f);
   for (int64_t s = lo; s <= hi; s++)
-    for (int64_t d = 0; d < D; d++) o[d] += lg[s] * inv * vb[s * D + d];
+    for (int64_t d = 0; d < D; d++) o[d] += lg[s] * inv * vb[s * ld + d];
 }
 
 // One unit: the G query heads of kv head kh for token (b, t).
 static void att_unit(const AttJob& j, int64_t u, std::vector<float>& logits) {
   const int64_t kh = u % j.Hkv, bt = u / j.Hkv, b = bt / j.T, G = j.Hq / j.Hkv, D = j.D, S = j.S;
-  const float* kb = j.k + (b * j.Hkv + kh) * S * D;
-  const float* vb = j.v + (b * j.Hkv + kh) * S * D;
-  const int64_t p = j.pos[bt];
-  const int64_t hi = std::min<int64_t>(p, S - 1);
-  const int64_t lo = j.window > 0 ? std::max<int64_t>(0, p - j.window + 1) : 0;
+  // row of slot s of kv head kh: heads-major at (b, kh) * S * D + s * D, seq-major at
+  // (b * S + s) * Hkv * D + kh * D
+  const int64_t off = j.seq_major ? b * S * j.Hkv * D + kh * D : (b * j.Hkv + kh) * S * D;
+  const int64_t ld = j.seq_major ? j.Hkv * D : D;
+  const float* kb = j.k + off;
+  const float* vb = j.v + off;
+  const int64_t hi = std::min<int64_t>(j.hi[bt], S - 1);
+  const int64_t lo = std::max<int64_t>(j.lo[bt], 0);
   const int64_t ld_lg = S + 16;
   logits.resize(std::min<int64_t>(G, 8) * ld_lg);
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
@@ -174,28 +180,29 @@ static void att_unit(const AttJob& j, int64_t u, std::vector<float>& logits) {
     if (lo > hi) {
       for (int64_t g = 0; g < n; g++) std::fill(o[g], o[g] + D, 0.0f);
     } else if (D == 64) {
-      att_group<4>(qr, n, kb, vb, lo, hi, j.scale, logits.data(), ld_lg, o);
+      att_group<4>(qr, n, kb, vb, ld, lo, hi, j.scale, logits.data(), ld_lg, o);
     } else if (D == 128) {
-      att_group<8>(qr, n, kb, vb, lo, hi, j.scale, logits.data(), ld_lg, o);
+      att_group<8>(qr, n, kb, vb, ld, lo, hi, j.scale, logits.data(), ld_lg, o);
     } else {
-      for (int64_t g = 0; g < n; g++) att_row_scalar(qr[g], kb, vb, lo, hi, D, j.scale, logits.data(), o[g]);
+      for (int64_t g = 0; g < n; g++) att_row_scalar(qr[g], kb, vb, ld, lo, hi, D, j.scale, logits.data(), o[g]);
     }
   }
 }
 
 static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, int64_t window, float scale,
-                                  ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = pos.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2)
-    return ffi::Error::InvalidArgument("decode_attention: expected q [B,T,Hq,D], k/v [B,Hkv,S,D], pos [B,T]");
-  const int64_t B = qd[0], T = qd[1], Hq = qd[2], D = qd[3], Hkv = kd[1], S = kd[2];
+                                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
+                                  float scale, int64_t seq_major, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), ld = lo.dimensions(), hd = hi.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || ld.size() != 2 || hd.size() != 2)
+    return ffi::Error::InvalidArgument("decode_attention: expected q [B,T,Hq,D], k/v 4-D, lo/hi [B,T]");
+  const int64_t B = qd[0], T = qd[1], Hq = qd[2], D = qd[3];
+  const int64_t Hkv = seq_major ? kd[2] : kd[1], S = seq_major ? kd[1] : kd[2];
   for (int i = 0; i < 4; i++)
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("decode_attention: k and v shapes differ");
-  if (kd[0] != B || kd[3] != D || Hkv <= 0 || Hq % Hkv != 0 || pd[0] != B || pd[1] != T)
-    return ffi::Error::InvalidArgument("decode_attention: q, k/v and pos disagree on B, T, D or heads");
-  const AttJob j{q.typed_data(), k.typed_data(), v.typed_data(), pos.typed_data(), out->typed_data(),
-                 T, Hq, Hkv, S, D, window, scale};
+  if (kd[0] != B || kd[3] != D || Hkv <= 0 || Hq % Hkv != 0 || ld[0] != B || ld[1] != T || hd[0] != B || hd[1] != T)
+    return ffi::Error::InvalidArgument("decode_attention: q, k/v and lo/hi disagree on B, T, D or heads");
+  const AttJob j{q.typed_data(), k.typed_data(), v.typed_data(), lo.typed_data(), hi.typed_data(),
+                 out->typed_data(), T, Hq, Hkv, S, D, seq_major != 0, scale};
   specjax::parallel_for(pool, B * T * Hkv, [j](int64_t u) {
     thread_local std::vector<float> logits;
     att_unit(j, u, logits);
@@ -210,6 +217,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_decode_attention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("window")
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("seq_major")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -144,15 +144,26 @@ def decode_attention(q, k, v, positions, *, window: int | None, scale: float):
     -> [B, T, Hq, D]. Slot j is visible from query (b, t) iff ``j <= positions[b, t]`` (and
     ``j > positions[b, t] - window``): :func:`specjax.models.layers.attend_cache` under
     :func:`specjax.models.layers.causal_mask`, which scores all S slots and masks. All float32."""
+    hi = jnp.asarray(positions, jnp.int32)
+    lo = jnp.maximum(hi - (window - 1), 0) if window else jnp.zeros_like(hi)
+    return range_attention(q, k, v, lo, hi, scale=scale)
+
+
+def range_attention(q, k, v, lo, hi, *, scale: float, seq_major: bool = False):
+    """Attention of a few query tokens over a cache on the native kernel, query (b, t) seeing the
+    slots ``lo[b, t] .. hi[b, t]`` (inclusive; int [B, T]): ``q`` [B, T, Hq, D], ``k``/``v``
+    [B, Hkv, S, D] (heads-major, the target's cache) or [B, S, Hkv, D] (``seq_major``, a draft's
+    :class:`specjax.models.drafts.common.DraftCache`) -> [B, T, Hq, D]. All float32."""
     B, T, Hq, D = q.shape
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.dtype != jnp.float32:
             raise TypeError(f"decode attention takes float32, got {name} {a.dtype}")
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or Hq % k.shape[1]:
+    hkv = k.shape[2] if seq_major else k.shape[1]
+    if k.shape != v.shape or k.ndim != 4 or k.shape[0] != B or k.shape[3] != D or Hq % hkv:
         raise ValueError(f"decode attention: q {q.shape} does not fit k {k.shape} / v {v.shape}")
     return jax.ffi.ffi_call("specjax_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                            vmap_method="sequential")(q, k, v, jnp.asarray(positions, jnp.int32),
-                                                      window=np.int64(window or 0), scale=np.float32(scale))
+                            vmap_method="sequential")(q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32),
+                                                      scale=np.float32(scale), seq_major=np.int64(bool(seq_major)))
 
 
 @jax.tree_util.register_pytree_node_class

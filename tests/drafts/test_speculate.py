@@ -47,3 +47,42 @@ def test_rounds_equal_from_scratch(draft_ckpt, verifiers, algo):
     assert p2.tokens.shape == (1, draft.speculative_tokens)
     assert int(p2.cache.lengths[0]) == 12
     assert ((p2.tokens >= 0) & (p2.tokens < draft.vocab_size)).all()
+
+
+@pytest.mark.skipif(not __import__("specjax.kernels", fromlist=["available"]).available(),
+                    reason="CPU kernels unavailable")
+@pytest.mark.parametrize("window", [None, 4])
+def test_eagle3_decode_on_the_attention_kernel_equals_masked(draft_ckpt, verifiers, window):
+    """In the decode-time panel view an EAGLE-3 draft attends over its cache with the native
+    kernel (slot ranges, seq-major cache) instead of masking every slot: two speculate rounds give
+    the plain module's proposals and logits (a sliding layer's window too)."""
+    import jax
+    from flax import nnx
+
+    from specjax.models import panels
+
+    over = {"layer_over": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": window,
+                           "use_sliding_window": True}} if window else {}
+    draft = load_draft(draft_ckpt("eagle3", "llama", draft_vocab=40, num_layers=2, **over), verifiers["llama"])
+    target = load_hf_dir(verifiers["llama"])
+    seq = jnp.asarray(np.random.default_rng(1).integers(3, 90, size=(2, 16)))
+    aux = draft.aux_from_taps(target(seq, tap_ids=draft.tap_ids(target.config.num_hidden_layers)).aux_hidden_states)
+    pos = jnp.broadcast_to(jnp.arange(16)[None], (2, 16))
+    graphdef, state = nnx.split(draft)
+
+    @jax.jit
+    def two_rounds(state):
+        d = nnx.merge(graphdef, state)
+        p1 = d.speculate(d.init_cache(2, 32), aux[:, :9], seq[:, 1:10], pos[:, :9], n_valid=jnp.asarray([9, 7]))
+        p2 = d.speculate(p1.cache, aux[:, 9:13], seq[:, 10:14], pos[:, 9:13], n_valid=jnp.asarray([4, 2]))
+        return p1.tokens, p1.logits, p2.tokens, p2.logits
+
+    view = panels.decode_state(draft, state)
+    assert "specjax_decode_attention" in two_rounds.lower(view).as_text()
+    assert "specjax_decode_attention" not in two_rounds.lower(state).as_text()
+    plain, fast = two_rounds(state), two_rounds(view)
+    for a, b in zip(plain, fast):
+        if a.dtype == jnp.float32:
+            assert rel_err(b, a) <= TOL
+        else:
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))

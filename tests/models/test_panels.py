@@ -264,6 +264,35 @@ def test_decode_attention_equals_masked_attention(B, T, Hq, Hkv, D, window):
 
 
 @needs_kernels
+@pytest.mark.parametrize("window", [None, 3])
+def test_range_attention_on_a_seq_major_draft_cache_equals_cache_mask(window):
+    """A draft's cache is seq-major [B, S, Hkv, D]; a chain step sees its base row's context (within
+    the window) and its own scratch rows after it: one slot range per query (``cache_range``),
+    equal to the masked attention over every slot (``cache_mask`` + ``attend``)."""
+    from specjax.models.drafts.common import cache_mask, cache_range
+    from specjax.models.layers import attend
+
+    B, T, Hq, Hkv, D, S = 2, 1, 6, 2, 64, 24
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((B, T, Hq, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, S, Hkv, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, S, Hkv, D)), jnp.float32)
+    base = jnp.asarray([[9], [15]], jnp.int32)  # last context row
+    for s in (1, 2, 3):  # chain step s writes scratch slot base + s
+        hi = base + s
+        want = attend(q, k, v, cache_mask(S, base, window=window, lo=base + 1, hi=hi), scale=D ** -0.5)
+        got = panels.range_attention(q, k, v, *cache_range(base, window=window, hi=hi), scale=D ** -0.5,
+                                     seq_major=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+    # context rows (extend): each sees itself and what came before it
+    slots = jnp.asarray([[4, 5, 6], [10, 11, 12]], jnp.int32)
+    q3 = jnp.asarray(rng.standard_normal((B, 3, Hq, D)), jnp.float32)
+    want = attend(q3, k, v, cache_mask(S, slots, window=window), scale=0.2)
+    got = panels.range_attention(q3, k, v, *cache_range(slots, window=window), scale=0.2, seq_major=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernels
 def test_decode_attention_errors():
     q = jnp.zeros((1, 1, 4, 16), jnp.float32)
     kv = jnp.zeros((1, 3, 8, 16), jnp.float32)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.models import panels
 from specjax.models.drafts.spec import DecoderSpec
 from specjax.models.layers import INIT_STD, Embed, RMSNorm, attend, dense, first_argmax
 from specjax.models.rope import apply_rope
@@ -77,6 +78,17 @@ def cache_mask(max_len: int, ctx_slot, *, window: int | None = None, win_ref=Non
     return m[:, None]
 
 
+def cache_range(ctx_slot, *, window: int | None = None, hi=None):
+    """The slots :func:`cache_mask` admits, as one inclusive range ``(lo, hi)`` (int [B, n] each),
+    for the two decode patterns where they are contiguous: a context row (``hi`` None: slots
+    ``<= ctx_slot``, within ``window`` of it) and a chain step whose scratch rows start right
+    after its base row (``cache_mask(.., lo=ctx_slot + 1, hi=hi)``: the base's context, then its
+    own chain up to ``hi``). This is what :func:`specjax.models.panels.range_attention` reads."""
+    c = jnp.asarray(ctx_slot, jnp.int32)
+    lo = jnp.maximum(c - (window - 1), 0) if window is not None else jnp.zeros_like(c)
+    return lo, (c if hi is None else jnp.broadcast_to(jnp.asarray(hi, jnp.int32), c.shape))
+
+
 def take_rows(x, rows):
     """x [B, n, ...], rows int [B, m] -> x[b, rows[b]] [B, m, ...]."""
     rows = jnp.asarray(rows, jnp.int32)
@@ -84,7 +96,7 @@ def take_rows(x, rows):
 
 
 def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=None, zero_empty_rows=False,
-              query_rows=None):
+              query_rows=None, ranges=None):
     """One attention block on already-normed input ``x_in`` [B, n, d_in].
 
     Keys/values: ``kv_prefix`` (list of (k, v) pairs prepended in order, training), or a
@@ -95,6 +107,10 @@ def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=N
     ``query_rows`` int [B, m]: every row still yields keys/values, but only these rows are
     queried (``mask`` is then [B, 1|H, m, S]) and the output is [B, m, hidden] -- the decode
     path, where only the last context row's output is used.
+    ``ranges`` ``(lo, hi)`` int [B, n or m] (:func:`cache_range`): the same visibility as
+    ``mask`` as one slot range per query; with a cache in the decode-time panel view
+    (:func:`specjax.models.panels.attention_fits`) attention runs on the native kernel over only
+    those slots instead of scoring every slot of the cache.
     """
     if query_rows is None:
         q, k, v = attn.project(x_in)
@@ -114,6 +130,9 @@ def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=N
         vv = jnp.concatenate([p[1] for p in kv_prefix] + [v], axis=1)
     else:
         kk, vv = k, v
+    if cache is not None and ranges is not None and panels.attention_fits(attn.q_proj, q, kk):
+        return attn.output(panels.range_attention(q, kk, vv, *ranges, scale=attn.scaling, seq_major=True)), (k, v), \
+            new_cache
     o = attend(q, kk, vv, mask, scale=attn.scaling)
     if zero_empty_rows and mask is not None:
         o = jnp.where(jnp.moveaxis(mask.any(-1), 1, -1)[..., None], o, 0)

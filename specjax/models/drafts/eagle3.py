@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.drafts.common import (
-    DraftCache, TargetTaps, attention, cache_mask, d2t_of, greedy, init_vocab, last_rows, last_valid, mlp_block,
+    DraftCache, TargetTaps, attention, cache_mask, cache_range, d2t_of, greedy, init_vocab, last_rows, last_valid, mlp_block,
     take_rows, verifier_targets,
 )
 from specjax.models.drafts.spec import DecoderSpec
@@ -200,10 +200,11 @@ class Eagle3Draft(ChainProposer, nnx.Module):
         return verifier_targets(self, verifier_last_hidden_states)
 
     def _layers(self, e, h, cos, sin, masks, *, prefixes=None, cache=None, slots=None, zero_empty_rows=False,
-                rows=None):
+                rows=None, ranges=None):
         """Run all layers. masks: per-layer masks. prefixes: per-layer lists of (k, v) (training).
         ``rows`` int [B, m]: the last layer queries (and returns) only these rows; earlier layers
         run every row, whose outputs the next layer's keys/values need (masks stay [.., n, S]).
+        ``ranges``: per-layer ``cache_range`` of the masks (decoding on the native kernel).
         Returns (out, new per-layer (k, v), new cache k/v lists)."""
         new_kv, ks, vs = [], [], []
         x = None
@@ -215,13 +216,15 @@ class Eagle3Draft(ChainProposer, nnx.Module):
                 xin, res = layer.input_layernorm(x), x
             qr = rows if i == last else None
             m = masks[i]
+            r = None if ranges is None else ranges[i]
             if qr is not None:
                 res = take_rows(res, qr)
                 m = jnp.take_along_axis(m, qr[:, None, :, None], axis=2)
+                r = None if r is None else tuple(jnp.take_along_axis(x, qr, axis=1) for x in r)
             c = None if cache is None else (cache.k[i], cache.v[i])
             a, kv, nc = attention(layer.self_attn, xin, cos, sin, m,
                                   kv_prefix=None if prefixes is None else prefixes[i], cache=c, slots=slots,
-                                  zero_empty_rows=zero_empty_rows, query_rows=qr)
+                                  zero_empty_rows=zero_empty_rows, query_rows=qr, ranges=r)
             x = mlp_block(layer, res + a)
             new_kv.append(kv)
             if nc is not None:
@@ -278,7 +281,8 @@ class Eagle3Draft(ChainProposer, nnx.Module):
         e = self.embed(input_ids)
         cos, sin = rope_cos_sin(positions, self.spec.rope, dtype=h.dtype)
         masks = [cache_mask(cache.max_len, slots, window=w) for w in self.spec.windows]
-        out, _, (ks, vs) = self._layers(e, h, cos, sin, masks, cache=cache, slots=slots, rows=rows)
+        ranges = [cache_range(slots, window=w) for w in self.spec.windows]
+        out, _, (ks, vs) = self._layers(e, h, cos, sin, masks, cache=cache, slots=slots, rows=rows, ranges=ranges)
         logits, hid = self.head(out)
         adv = n if n_valid is None else n_valid
         return ChainOutput(logits, hid, DraftCache(tuple(ks), tuple(vs), cache.lengths + adv))
@@ -293,6 +297,7 @@ class Eagle3Draft(ChainProposer, nnx.Module):
         e = self.embed(tokens[:, None])
         cos, sin = rope_cos_sin(positions[:, None], self.spec.rope, dtype=hidden.dtype)
         masks = [cache_mask(cache.max_len, base, window=w, lo=lo, hi=slots) for w in self.spec.windows]
-        out, _, (ks, vs) = self._layers(e, hidden[:, None], cos, sin, masks, cache=cache, slots=slots)
+        ranges = [cache_range(base, window=w, hi=slots) for w in self.spec.windows]
+        out, _, (ks, vs) = self._layers(e, hidden[:, None], cos, sin, masks, cache=cache, slots=slots, ranges=ranges)
         logits, hid = self.head(out)
         return ChainOutput(logits[:, 0], hid[:, 0], cache._replace(k=tuple(ks), v=tuple(vs)))
