@@ -51,11 +51,11 @@ def test_rounds_equal_from_scratch(draft_ckpt, verifiers, algo):
 
 @pytest.mark.skipif(not __import__("specjax.kernels", fromlist=["available"]).available(),
                     reason="CPU kernels unavailable")
-@pytest.mark.parametrize("window", [None, 4])
-def test_eagle3_decode_on_the_attention_kernel_equals_masked(draft_ckpt, verifiers, window):
-    """In the decode-time panel view an EAGLE-3 draft attends over its cache with the native
-    kernel (slot ranges, seq-major cache) instead of masking every slot: two speculate rounds give
-    the plain module's proposals and logits (a sliding layer's window too)."""
+@pytest.mark.parametrize("algo,window", [("eagle3", None), ("eagle3", 4), ("mtp", None)])
+def test_chain_decode_on_the_attention_kernel_equals_masked(draft_ckpt, verifiers, algo, window):
+    """In the decode-time panel view a chain draft (EAGLE-3, MTP) attends over its cache with the
+    native kernel (slot ranges, seq-major cache) instead of masking every slot: two speculate
+    rounds give the plain module's proposals and logits (a sliding layer's window too)."""
     import jax
     from flax import nnx
 
@@ -63,8 +63,10 @@ def test_eagle3_decode_on_the_attention_kernel_equals_masked(draft_ckpt, verifie
 
     over = {"layer_over": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": window,
                            "use_sliding_window": True}} if window else {}
-    draft = load_draft(draft_ckpt("eagle3", "llama", draft_vocab=40, num_layers=2, **over), verifiers["llama"])
-    target = load_hf_dir(verifiers["llama"])
+    fam = "qwen3" if algo == "mtp" else "llama"
+    kw = {} if algo == "mtp" else dict(draft_vocab=40, num_layers=2, **over)
+    draft = load_draft(draft_ckpt(algo, fam, **kw), verifiers[fam])
+    target = load_hf_dir(verifiers[fam])
     seq = jnp.asarray(np.random.default_rng(1).integers(3, 90, size=(2, 16)))
     aux = draft.aux_from_taps(target(seq, tap_ids=draft.tap_ids(target.config.num_hidden_layers)).aux_hidden_states)
     pos = jnp.broadcast_to(jnp.arange(16)[None], (2, 16))

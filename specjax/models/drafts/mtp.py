@@ -34,7 +34,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.models.drafts.common import DraftCache, attention, cache_mask, init_vocab, mlp_block, take_rows
+from specjax.models.drafts.common import (
+    DraftCache, attention, cache_mask, cache_range, init_vocab, mlp_block, take_rows,
+)
 from specjax.models.drafts.eagle3 import ChainOutput, ChainProposer
 from specjax.models.drafts.spec import DecoderSpec, DraftConfigError
 from specjax.models.layers import DecoderLayer, RMSNorm, dense
@@ -102,14 +104,14 @@ class MTPDraft(ChainProposer, nnx.Module):
     def layer(self) -> MTPLayer:
         return self.mtp_layers[0]
 
-    def _run(self, embeds, hidden, cos, sin, mask, *, cache=None, slots=None, rows=None):
+    def _run(self, embeds, hidden, cos, sin, mask, *, cache=None, slots=None, rows=None, ranges=None):
         """``rows`` int [B, m]: only these rows are queried and returned (``mask`` [B, 1, m, S]);
-        every row's K/V is still written."""
+        every row's K/V is still written. ``ranges``: ``mask`` as ``cache_range`` (decoding)."""
         layer = self.layer
         p = layer.project_in(embeds, hidden)
         c = None if cache is None else (cache.k[0], cache.v[0])
         a, _, nc = attention(layer.self_attn, layer.input_layernorm(p), cos, sin, mask, cache=c, slots=slots,
-                             query_rows=rows)
+                             query_rows=rows, ranges=ranges)
         if rows is not None:
             p = take_rows(p, rows)
         out = layer.final_layernorm(mlp_block(layer, p + a))
@@ -157,9 +159,10 @@ class MTPDraft(ChainProposer, nnx.Module):
         B, n = input_ids.shape
         slots = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
         cos, sin = rope_cos_sin(positions, self.spec.rope, dtype=hidden_states.dtype)
-        mask = cache_mask(cache.max_len, slots if rows is None else take_rows(slots, rows))
+        qslots = slots if rows is None else take_rows(slots, rows)
+        mask = cache_mask(cache.max_len, qslots)
         out, nc = self._run(self.embed_tokens(input_ids), hidden_states, cos, sin, mask, cache=cache, slots=slots,
-                            rows=rows)
+                            rows=rows, ranges=cache_range(qslots))
         adv = n if n_valid is None else n_valid
         return ChainOutput(self.lm_head(out), out, DraftCache((nc[0],), (nc[1],), cache.lengths + adv))
 
@@ -170,5 +173,5 @@ class MTPDraft(ChainProposer, nnx.Module):
         cos, sin = rope_cos_sin(positions[:, None], self.spec.rope, dtype=hidden.dtype)
         mask = cache_mask(cache.max_len, base, lo=lo, hi=slots)
         out, nc = self._run(self.embed_tokens(tokens[:, None]), hidden[:, None], cos, sin, mask, cache=cache,
-                            slots=slots)
+                            slots=slots, ranges=cache_range(base, hi=slots))
         return ChainOutput(self.lm_head(out)[:, 0], out[:, 0], cache._replace(k=(nc[0],), v=(nc[1],)))
