@@ -23,5 +23,5 @@ mkdir -p runs/eval
 for set in code prose; do
   echo "== held-out $set prompts, one prompt at a time, k=3"
   "$SJ" bench --target default --draft "$DRAFT" --prompts "runs/eval/$set.jsonl" --k 3 --batch-size 1 \
-    --max-new-tokens 96 --plot "runs/bench-$set.png" --json | tee "runs/bench-$set.json"
+    --max-new-tokens 256 --plot "runs/bench-$set.png" --json | tee "runs/bench-$set.json"
 done
