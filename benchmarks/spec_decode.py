@@ -30,7 +30,10 @@ e.g. a trained draft, one prompt at a time, on held-out code prompts::
 
     specjax data prompts eval-code --out /tmp/eval-code.jsonl --n 16
     .venv/bin/python benchmarks/spec_decode.py --draft runs/eagle3-smollm2/best --prompts /tmp/eval-code.jsonl \
-        --batch-size 1 --max-new-tokens 96 --k 3
+        --batch-size 1 --max-new-tokens 256 --k 3 --repeats 2
+
+(the main job's draft, 2026-12-02, one core: tau 2.90, 54.1 -> 111.2 tok/s, 2.06x end to end and 2.24x
+without the fixed costs, 0.93 and 1.01 of ``tau / (k c + v)``; 16/16 greedy outputs identical)
 """
 
 from __future__ import annotations
