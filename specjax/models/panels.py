@@ -145,8 +145,14 @@ def decode_attention(q, k, v, positions, *, window: int | None, scale: float):
     ``j > positions[b, t] - window``): :func:`specjax.models.layers.attend_cache` under
     :func:`specjax.models.layers.causal_mask`, which scores all S slots and masks. All float32."""
     hi = jnp.asarray(positions, jnp.int32)
-    lo = jnp.maximum(hi - (window - 1), 0) if window else jnp.zeros_like(hi)
-    return range_attention(q, k, v, lo, hi, scale=scale)
+    return range_attention(q, k, v, window_start(hi, window), hi, scale=scale)
+
+
+def window_start(hi, window: int | None):
+    """The first slot a query at slot ``hi`` (int [...]) sees: ``hi - window + 1`` clipped at 0,
+    or 0 without a window (None or 0)."""
+    hi = jnp.asarray(hi, jnp.int32)
+    return jnp.maximum(hi - (window - 1), 0) if window else jnp.zeros_like(hi)
 
 
 def range_attention(q, k, v, lo, hi, *, scale: float, seq_major: bool = False):
@@ -286,8 +292,6 @@ def decode_state(root, state):
         return x if kind is None else Paneled(x, CACHE.get(x, kind))
 
     return jax.tree_util.tree_map_with_path(swap, state)
-
-
 
 
 def panel_dtypes(state) -> dict[str, list[str]]:

@@ -85,8 +85,7 @@ def cache_range(ctx_slot, *, window: int | None = None, hi=None):
     after its base row (``cache_mask(.., lo=ctx_slot + 1, hi=hi)``: the base's context, then its
     own chain up to ``hi``). This is what :func:`specjax.models.panels.range_attention` reads."""
     c = jnp.asarray(ctx_slot, jnp.int32)
-    lo = jnp.maximum(c - (window - 1), 0) if window is not None else jnp.zeros_like(c)
-    return lo, (c if hi is None else jnp.broadcast_to(jnp.asarray(hi, jnp.int32), c.shape))
+    return panels.window_start(c, window), (c if hi is None else jnp.broadcast_to(jnp.asarray(hi, jnp.int32), c.shape))
 
 
 def take_rows(x, rows):

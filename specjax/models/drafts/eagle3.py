@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.drafts.common import (
-    DraftCache, TargetTaps, attention, cache_mask, cache_range, d2t_of, greedy, init_vocab, last_rows, last_valid, mlp_block,
-    take_rows, verifier_targets,
+    DraftCache, TargetTaps, attention, cache_mask, cache_range, d2t_of, greedy, init_vocab, last_rows, last_valid,
+    mlp_block, take_rows, verifier_targets,
 )
 from specjax.models.drafts.spec import DecoderSpec
 from specjax.models.drafts.vocab import draft_to_target
@@ -220,7 +220,7 @@ class Eagle3Draft(ChainProposer, nnx.Module):
             if qr is not None:
                 res = take_rows(res, qr)
                 m = jnp.take_along_axis(m, qr[:, None, :, None], axis=2)
-                r = None if r is None else tuple(jnp.take_along_axis(x, qr, axis=1) for x in r)
+                r = None if r is None else tuple(take_rows(a, qr) for a in r)
             c = None if cache is None else (cache.k[i], cache.v[i])
             a, kv, nc = attention(layer.self_attn, xin, cos, sin, m,
                                   kv_prefix=None if prefixes is None else prefixes[i], cache=c, slots=slots,
