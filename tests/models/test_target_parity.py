@@ -129,12 +129,13 @@ def test_multi_token_append_and_rollback(tiny_target):
     """Verify-style step: append 3 tokens at once, reject the last 2, append corrected tokens."""
     d, _ = tiny_target("qwen3", tie_word_embeddings=True, use_sliding_window=True, sliding_window=4,
                        max_window_layers=2)
-    model = jitted(load_hf_dir(d))
+    module = load_hf_dir(d)
+    model = jitted(module)
     rng = np.random.default_rng(4)
     prompt = rng.integers(0, VOCAB, (1, 6))
     draft = rng.integers(0, VOCAB, (1, 3))
     fix = rng.integers(0, VOCAB, (1, 2))
-    cache = model(jnp.asarray(prompt), cache=KVCache.init(load_hf_dir(d).config, 1, 16)).cache
+    cache = model(jnp.asarray(prompt), cache=KVCache.init(module.config, 1, 16)).cache
     step = model(jnp.asarray(draft), cache=cache)
     assert step.logits.shape == (1, 3, VOCAB) and step.cache.lengths.tolist() == [9]
     cache = step.cache.rollback([7])  # keep prompt + first drafted token
