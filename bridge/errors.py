@@ -12,6 +12,7 @@ class BridgeError(Exception):
     def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
         self.path = None if path is None else str(path)
         self.key = key
+        self.message = message  # without the path prefix
         prefix = f"{self.path}: " if self.path else ""
         super().__init__(prefix + message)
 

@@ -10,15 +10,15 @@ Layout of the directory (one Orbax composite checkpoint):
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import re
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from bridge.atomic import replace_dir
-from bridge.errors import OrbaxFormatError, WriteError
+from bridge.atomic import staged_dir
+from bridge.errors import OrbaxFormatError
 from bridge.schema import DraftConfig, parse_config
 
 FORMAT = "specjax-draft-v1"
@@ -39,30 +39,67 @@ def _int_keys(tree):
 def _checkpointer():
     import orbax.checkpoint as ocp
 
+    _drop_closed_loop_callbacks()
     return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+
+def _drop_closed_loop_callbacks() -> None:
+    """Keep a failed Orbax read from printing asyncio tracebacks.
+
+    Orbax runs each restore on an event loop that it closes as soon as one tensorstore read fails;
+    the reads still in flight then complete on tensorstore's threads and post their results to the
+    closed loop, and every such ``RuntimeError('Event loop is closed')`` goes to
+    ``sys.unraisablehook`` (printed as a bare traceback), after the real error was raised. Those
+    results have no reader left, so the hook installed here drops exactly that error and passes
+    everything else to the hook it replaced. Installed once per process."""
+    if getattr(sys.unraisablehook, "_specjax_closed_loop_filter", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _is_closed_loop_callback(unraisable):
+            previous(unraisable)
+
+    hook._specjax_closed_loop_filter = True
+    sys.unraisablehook = hook
+
+
+def _is_closed_loop_callback(unraisable) -> bool:
+    """A ``RuntimeError('Event loop is closed')`` raised by asyncio's ``call_soon_threadsafe``."""
+    e = unraisable.exc_value
+    if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed" and unraisable.object is None):
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "call_soon_threadsafe" and "asyncio" in Path(code.co_filename).parts:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+_TS_SPEC = re.compile(r"\s*\[tensorstore_spec='.*'\]\s*$", re.S)
+
+
+def _reason(e: BaseException) -> str:
+    """``Type: message`` of an Orbax/tensorstore error, without the kvstore spec JSON tensorstore
+    appends (a kilobyte of driver settings that names nothing the user can act on)."""
+    return f"{type(e).__name__}: {_TS_SPEC.sub('', str(e))}"
 
 
 def save_orbax(out: str | Path, config: DraftConfig | dict, tree: Mapping, *, metadata: Mapping[str, str] | None = None,
                overwrite: bool = False) -> Path:
     """Save ``tree`` (numpy or jax leaves) and ``config`` to an Orbax checkpoint, atomically."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise WriteError("destination exists; pass --overwrite (overwrite=True) to replace it", path=str(out))
-    ocp, ckptr = _checkpointer()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_parent = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    tmp = tmp_parent / "ckpt"
     cfg = config if isinstance(config, dict) else config.to_dict()
     extra = {"format": FORMAT, "safetensors_metadata": dict(metadata or {"format": "pt"}), "int_keys": True}
-    try:
+    with staged_dir(out, overwrite=overwrite) as tmp:  # orbax creates tmp itself (dirs under the umask)
+        ocp, ckptr = _checkpointer()
         ckptr.save(tmp, args=ocp.args.Composite(
             params=ocp.args.StandardSave(_str_keys(tree)),
             config=ocp.args.JsonSave(cfg),
             specjax=ocp.args.JsonSave(extra),
         ))
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp_parent, ignore_errors=True)
     return out
 
 
@@ -83,7 +120,7 @@ def restore_orbax(path: str | Path, *, sharding: Any = None) -> tuple[DraftConfi
             meta = ckptr.restore(p, args=ocp.args.Composite(config=ocp.args.JsonRestore(),
                                                             specjax=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many types; name the file instead
-        raise OrbaxFormatError(f"cannot read config/specjax items: {type(e).__name__}: {e}", path=str(p)) from e
+        raise OrbaxFormatError(f"cannot read config/specjax items: {_reason(e)}", path=str(p)) from e
     extra = meta.get("specjax") or {}
     if extra.get("format") != FORMAT:
         raise OrbaxFormatError(f"format marker {extra.get('format')!r}; expected {FORMAT!r}", path=str(p), key="specjax")
@@ -94,7 +131,7 @@ def restore_orbax(path: str | Path, *, sharding: Any = None) -> tuple[DraftConfi
         with _quiet_absl():
             plain = _plain(_params_metadata(p))
     except Exception as e:  # orbax raises many types; name the file instead
-        raise OrbaxFormatError(f"cannot read params metadata: {type(e).__name__}: {e}", path=str(p)) from e
+        raise OrbaxFormatError(f"cannot read params metadata: {_reason(e)}", path=str(p)) from e
     if sharding is None:
         abstract = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), plain)
     else:
@@ -109,7 +146,7 @@ def restore_orbax(path: str | Path, *, sharding: Any = None) -> tuple[DraftConfi
         with _quiet_absl():
             r = ckptr.restore(p, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
     except Exception as e:
-        raise OrbaxFormatError(f"cannot restore params: {type(e).__name__}: {e}", path=str(p)) from e
+        raise OrbaxFormatError(f"cannot restore params: {_reason(e)}", path=str(p)) from e
     return cfg, _int_keys(r["params"]), dict(extra.get("safetensors_metadata") or {})
 
 

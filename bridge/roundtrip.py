@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bridge.atomic import staged_dir
 from bridge.checkpoint import load_checkpoint, save_checkpoint, tree_to_flat
 from bridge.errors import BridgeError, CheckpointNotFoundError
 from bridge.layout import iter_leaves
@@ -19,6 +20,10 @@ class RoundTripMismatch(BridgeError):
     """--check found a difference between source and output."""
 
     exit_code = 1
+
+
+class ReadBackError(BridgeError):
+    """--check could not read the output back (it was written, but not in a readable form)."""
 
 
 def source_kind(src: str | Path) -> str:
@@ -43,20 +48,47 @@ def read_any(src: str | Path):
 
 def convert(src: str | Path, dst: str | Path, to: str, *, overwrite: bool = False, check: bool = False,
             max_shard_bytes: int | None = None, progress: bool | None = None) -> dict:
-    """Convert ``src`` to format ``to`` ('orbax' or 'speculators') at ``dst``."""
+    """Convert ``src`` to format ``to`` ('orbax' or 'speculators') at ``dst``.
+
+    With ``check`` the output is written beside ``dst``, read back and compared with ``src``
+    before it is moved into place: a failed check leaves no ``dst`` (an old one, with
+    ``overwrite``, is untouched) and raises :class:`RoundTripMismatch` (or :class:`ReadBackError`)
+    naming ``dst`` and what differed."""
     if to not in ("orbax", "speculators"):
         raise BridgeError(f"--to must be 'orbax' or 'speculators', got {to!r}")
     cfg, tree, meta = read_any(src)
-    if to == "orbax":
-        save_orbax(dst, cfg, tree, metadata=meta, overwrite=overwrite)
-    else:
-        save_checkpoint(dst, cfg, tree, metadata=meta, overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                        progress=progress)
     result = {"source": str(src), "source_format": source_kind(src), "output": str(dst), "format": to,
               "tensors": sum(1 for _ in iter_leaves(tree))}
-    if check:
-        result["check"] = compare(src, dst)
+    with staged_dir(dst, overwrite=overwrite) as out:
+        if to == "orbax":
+            save_orbax(out, cfg, tree, metadata=meta)
+        else:
+            save_checkpoint(out, cfg, tree, metadata=meta, max_shard_bytes=max_shard_bytes, progress=progress)
+        if check:
+            result["check"] = check_output(src, out, dst)
     return result
+
+
+def check_output(src: str | Path, out: Path, dst: str | Path) -> dict:
+    """:func:`compare` ``src`` with the staged output ``out`` that is to become ``dst``. Errors name
+    ``dst`` (the staged copy is deleted with them) and say that nothing was written."""
+    try:
+        return compare(src, out)
+    except RoundTripMismatch as e:
+        raise RoundTripMismatch(f"--check failed: {_within(e, out, dst)}; nothing was written", path=str(dst),
+                                key=e.key) from None
+    except BridgeError as e:
+        raise ReadBackError(f"--check could not read the output back: {_within(e, out, dst)}; nothing was written",
+                            path=str(dst), key=e.key) from None
+
+
+def _within(e: BridgeError, out: Path, dst: str | Path) -> str:
+    """``e``'s message, prefixed by its file relative to the output when that is a file inside it;
+    the staged path anywhere in the text is shown as ``dst``."""
+    msg = e.message.replace(str(out), str(dst))
+    if e.path and Path(e.path) != out and Path(e.path).is_relative_to(out):
+        msg = f"{Path(e.path).relative_to(out)}: {msg}"
+    return msg
 
 
 def compare(a: str | Path, b: str | Path) -> dict:

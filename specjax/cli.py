@@ -35,8 +35,29 @@ DEMO_PROMPTS = (
 )
 
 
+def version() -> str:
+    """The installed distribution's version, else ``specjax.__version__`` (a source checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("specjax")
+    except PackageNotFoundError:
+        import specjax
+
+        return specjax.__version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"specjax {version()}")
+        raise typer.Exit()
+
+
 @app.callback(invoke_without_command=True)
-def _default(ctx: typer.Context):
+def _default(ctx: typer.Context,
+             show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                               help="print `specjax <version>` and exit")):
     """With no subcommand, run on the embedded default model (SmolLM2-135M-Instruct)."""
     if ctx.invoked_subcommand is not None:
         return

@@ -31,3 +31,25 @@ def verifiers(spec_root):
     from tests.refs.speculators_ckpts import make_verifier
 
     return {fam: make_verifier(spec_root / f"verifier-{fam}", fam) for fam in ("llama", "qwen3")}
+
+
+@pytest.fixture
+def umask022():
+    """The process umask set to the usual 0o022 for one test (restored after it)."""
+    old = os.umask(0o022)
+    yield 0o022
+    os.umask(old)
+
+
+def unreadable_modes(root: Path) -> list[str]:
+    """``root`` and everything under it whose mode is not a directory's 0755 or a file's 0644
+    (what umask 0o022 gives), as ``'0700 path'`` lines; empty when all are ordinary."""
+    import stat
+
+    bad = []
+    for p in [Path(root), *sorted(Path(root).rglob("*"))]:
+        want = 0o755 if p.is_dir() else 0o644
+        got = stat.S_IMODE(p.lstat().st_mode)
+        if got != want:
+            bad.append(f"{got:04o} {p} (expected {want:04o})")
+    return bad

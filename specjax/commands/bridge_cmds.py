@@ -107,7 +107,8 @@ def convert_cmd(
     options: Optional[str] = typer.Option(None, "--options", "--algorithm-kwargs",
                                           help="with --from: more options as a JSON object (speculators' names)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing DST"),
-    check: bool = typer.Option(False, "--check", help="reload the output and verify the round trip bit-exactly"),
+    check: bool = typer.Option(False, "--check", help="reload the output and verify the round trip bit-exactly "
+                                                     "before DST is put in place (mismatch: exit 1, nothing written)"),
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="e.g. 5GB: write sharded safetensors"),
     as_json: bool = typer.Option(False, "--json"),
 ):

@@ -13,7 +13,7 @@ from specjax.sharding import cli as shcli
 
 
 def register(app: typer.Typer) -> None:
-    app.command("train")(train_cmd)
+    app.command("train", help=train_help())(train_cmd)
     app.command("train-eval")(train_eval_cmd)
 
 
@@ -29,7 +29,8 @@ def train_cmd(
     num_processes: Optional[int] = shcli.num_processes_option(),
     process_id: Optional[int] = shcli.process_id_option(),
 ):
-    """Train an EAGLE-3 or DFlash draft; exports `last/` (and `best/`) as speculators checkpoints.
+    """Train a draft of any speculator_type ({algorithms}); exports `last/` (and `best/`) as
+    speculators checkpoints.
 
     On a mesh of several devices the target loads straight into its shardings, the draft and
     optimizer state are placed by the partition rules, and each step takes data x fsdp packed
@@ -59,6 +60,13 @@ def train_cmd(
     console().print(f"{summary['steps']} steps in {summary['seconds']}s; last loss {lm.get('loss')} "
                     f"(accept estimate {lm.get('accept_est')}); best val loss {best.get('val_loss')} at step "
                     f"{best.get('step')}; draft -> {summary.get('last')}")
+
+
+def train_help() -> str:
+    """``train_cmd``'s docstring with the supported algorithms filled in (the one list of them)."""
+    from specjax.train.algorithms import SPECULATOR_TYPES
+
+    return train_cmd.__doc__.format(algorithms=", ".join(SPECULATOR_TYPES))
 
 
 def train_eval_cmd(

@@ -40,6 +40,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from specjax.train.algorithms import SPECULATOR_TYPES
 from specjax.train.errors import RecipeError
 from specjax.train.losses import parse_loss_spec
 
@@ -179,7 +180,7 @@ RESUME_SAFE = frozenset({"trainer.log_every", "trainer.keep_checkpoints", "train
 
 
 class TrainConfig(_Section):
-    speculator_type: Literal["eagle3", "dflash", "peagle", "dspark", "mtp"] = "eagle3"
+    speculator_type: Literal[SPECULATOR_TYPES] = "eagle3"
     seed: int = 42
     target: str = Field("default", description="'default' (embedded SmolLM2), a .gguf, an HF dir or cached repo id")
     verifier_name_or_path: str | None = Field(None, description="written into the exported config (default: target)")

@@ -1,12 +1,16 @@
 """The bridge commands as a user runs them: output, exit codes, no tracebacks."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 from typer.testing import CliRunner
 
 from specjax.cli import app
 from tests.bridge.headers import gemma4_31b_dflash
+from tests.conftest import unreadable_modes
 
 runner = CliRunner()
 
@@ -73,3 +77,88 @@ def test_specjax_without_arguments_runs_the_default_model():
 def test_audit_prints_rule_names_literally(tmp_path):
     r = runner.invoke(app, ["audit", str(gemma4_31b_dflash(tmp_path))])
     assert "[dflash.speculative_tokens]" in r.output and "[verifier.binding]" in r.output
+
+
+def test_converted_checkpoints_are_readable_by_others(spec_ckpts, tmp_path, umask022):
+    # tempfile makes 0700 dirs / 0600 files: vLLM in a container, or another user, could not read them
+    src = spec_ckpts["eagle3-qwen3-bf16-pruned"]
+    for args in ([str(src), str(tmp_path / "o"), "--to", "orbax"],
+                 [str(tmp_path / "o"), str(tmp_path / "s"), "--to", "speculators"],
+                 [str(src), str(tmp_path / "sh"), "--to", "speculators", "--max-shard-size", "20KB", "--check"]):
+        r = runner.invoke(app, ["convert", *args])
+        assert r.exit_code == 0, r.output
+        assert unreadable_modes(tmp_path / args[1]) == []
+
+
+def _flip_last_byte(d):
+    f = d / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+def test_failed_check_writes_nothing(spec_ckpts, tmp_path, monkeypatch):
+    import bridge.roundtrip as rt
+
+    real = rt.save_checkpoint
+
+    def save_corrupted(out, *a, **kw):  # the writer loses a bit: the check must catch it
+        _flip_last_byte(real(out, *a, **kw))
+
+    monkeypatch.setattr(rt, "save_checkpoint", save_corrupted)
+    src = spec_ckpts["eagle3-llama-f32"]
+    r = runner.invoke(app, ["convert", str(src), str(tmp_path / "s"), "--to", "speculators", "--check"])
+    assert r.exit_code == 1, r.output
+    assert "--check failed" in r.output and "bytes differ" in r.output and "nothing was written" in r.output
+    assert str(tmp_path / "s") in r.output and "Traceback" not in r.output
+    assert os.listdir(tmp_path) == []  # no DST, no temp dir beside it
+    # with --overwrite a failed check keeps the old DST as it was
+    old = tmp_path / "old"
+    shutil.copytree(src, old)
+    r = runner.invoke(app, ["convert", str(src), str(old), "--to", "speculators", "--check", "--overwrite"])
+    assert r.exit_code == 1, r.output
+    assert os.listdir(tmp_path) == ["old"] and (old / "config.py").exists()
+
+
+# Orbax's restore closes its event loop at the first failed read; the reads still in flight then
+# print "RuntimeError: Event loop is closed" tracebacks, after the error, from tensorstore threads
+CORRUPT_ORBAX_WRITE = """
+import sys
+import time
+from pathlib import Path
+
+import bridge.roundtrip as rt
+
+real = rt.save_orbax
+
+
+def save_corrupted(out, *a, **kw):
+    out = real(out, *a, **kw)
+    for f in Path(out, "params").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(b"garbage" * 10)
+    return out
+
+
+rt.save_orbax = save_corrupted
+from specjax.cli import app
+
+sys.argv[0] = "specjax"
+try:
+    app()
+finally:
+    time.sleep(1)  # let the reads still in flight finish, as in a process that goes on after the error
+"""
+
+
+def test_failed_check_of_an_unreadable_orbax_output_is_one_message(spec_ckpts, tmp_path):
+    src, dst = spec_ckpts["eagle3-llama-f32"], tmp_path / "out" / "o"
+    r = subprocess.run([sys.executable, "-c", CORRUPT_ORBAX_WRITE, "convert", str(src), str(dst), "--to", "orbax",
+                        "--check"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert r.returncode == 2, r.stderr
+    assert "could not read the output back" in r.stderr and "nothing was written" in r.stderr, r.stderr
+    for s in ("Traceback", "asyncio", "Event loop", "never retrieved", ".tmp", "tensorstore_spec"):
+        assert s not in r.stderr, r.stderr
+    assert str(dst) in r.stderr
+    assert os.listdir(tmp_path / "out") == []  # no DST, no temp dir beside it
