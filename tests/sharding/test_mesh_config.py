@@ -90,3 +90,15 @@ def test_generate_cli_mesh_option(tmp_path):
     assert r.exit_code == 0, r.output
     r2 = CliRunner().invoke(app, ["generate", "--help"])
     assert "--mesh" in r2.output and "--coordinator" in r2.output
+
+
+def test_accelerator_mesh_on_a_cpu_only_jax_names_the_backend_and_the_extra():
+    """A TPU preset on a machine whose JAX sees only the CPU (no libtpu / CUDA plugin installed):
+    the error says what JAX found and which install brings the accelerator."""
+    cpu = jax.devices("cpu")[:1]
+    with pytest.raises(shd.MeshConfigError) as ei:
+        shd.make_mesh("tpu-v5e-8", devices=cpu)
+    msg = str(ei.value)
+    assert "written for 8 devices but 1 are visible" in msg
+    assert "JAX sees 1 cpu device(s) (backend cpu" in msg
+    assert 'pip install "specjax[tpu]"' in msg and 'pip install "specjax[cuda]"' in msg
