@@ -49,10 +49,15 @@ def _load_target(target: str, dev_mesh, progress: bool):
 
 @data_app.command("prepare")
 def prepare_cmd(
-    out: Path = typer.Option(..., "--out", "-o", help="data directory to create (or resume)"),
-    target: str = typer.Option("default", "--target", "-t", help="'default', a .gguf, an HF dir or a cached repo id"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="data directory to create (or resume); with "
+                                       "--config, the recipe's data.path"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="a training recipe (configs/*.yaml): build its "
+                                          "data.path from its data.prepare settings, as `specjax train` would"),
+    set_: List[str] = typer.Option([], "--set", "-s", help="with --config: recipe override, key=value"),
+    target: Optional[str] = typer.Option(None, "--target", "-t", help="'default', a .gguf, an HF dir or a cached repo "
+                                         "id [default: the recipe's target, else 'default']"),
     prompts: str = typer.Option("builtin:stdlib", "--prompts", "-p",
-                                help="builtin:<stdlib|eval-code|eval-prose>[:<n>] or a JSONL/JSON prompt file"),
+                                help="builtin:<stdlib|stdlib-code|eval-code|eval-prose>[:<n>] or a JSONL/JSON prompt file"),
     regenerate: bool = typer.Option(True, "--regenerate/--no-regenerate",
                                     help="let the target write the assistant turns (self-distillation)"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
@@ -75,19 +80,43 @@ def prepare_cmd(
 ):
     """Prompts -> chat rows with assistant-only loss masks -> hidden states (speculators' layout).
 
+    Resumable: rerun the same command after an interruption and it continues where it stopped
+    (answers already regenerated and rows already extracted are kept). ``--config RECIPE`` builds
+    the recipe's ``data.path`` exactly as ``specjax train`` would (a complete one is left alone).
+
     On a mesh of several devices the target loads straight into its shardings and the
     hidden-state extraction splits its batches over the data and fsdp axes."""
     from bridge.errors import BridgeError
     from specjax.sharding import is_main_process
-    from specjax.train.pipeline import DataSpec, prepare_data
+    from specjax.train.pipeline import DataSpec, prepare_data, recipe_data_spec
 
     try:
-        spec = DataSpec(prompts=prompts, regenerate=regenerate, max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_p=top_p, top_k=top_k, seq_length=seq_length, aux_layer_ids=_ids(aux_layer_ids),
-                        hidden_states_dtype=hs_dtype, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
-                        draft_vocab_size=draft_vocab_size, seed=seed)
+        cfg = None
+        if config is not None:  # the recipe's settings; its data directory is resumed, a complete one kept
+            from specjax.train.config import load_recipe
+            from specjax.train.dataset import read_meta
+
+            cfg = load_recipe(config, set_)
+            out = Path(cfg.data.path) if out is None else out
+            target = cfg.target if target is None else target
+            if read_meta(out).get("complete"):
+                if is_main_process():
+                    print(json.dumps(read_meta(out), default=str)) if as_json else console().print(
+                        f"{out} is already complete ({read_meta(out).get('rows')} rows); nothing to do")
+                return
+        elif set_:
+            raise typer.BadParameter("--set takes effect with --config only")
+        if out is None:
+            raise typer.BadParameter("give --out DIR (or --config RECIPE)")
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
-        lt = _load_target(target, dev_mesh, progress=not as_json and is_main_process())
+        lt = _load_target(target or "default", dev_mesh, progress=not as_json and is_main_process())
+        if cfg is not None:
+            spec = recipe_data_spec(cfg, lt.config.num_hidden_layers)
+        else:
+            spec = DataSpec(prompts=prompts, regenerate=regenerate, max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_p=top_p, top_k=top_k, seq_length=seq_length,
+                            aux_layer_ids=_ids(aux_layer_ids), hidden_states_dtype=hs_dtype, batch_size=batch_size,
+                            max_prompt_tokens=max_prompt_tokens, draft_vocab_size=draft_vocab_size, seed=seed)
         res = prepare_data(out, spec, lt, progress=not as_json and is_main_process(), log=_log)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
@@ -175,7 +204,7 @@ def vocab_cmd(
 
 @data_app.command("prompts")
 def prompts_cmd(
-    name: str = typer.Argument("stdlib", help="stdlib | eval-code | eval-prose"),
+    name: str = typer.Argument("stdlib", help="stdlib | stdlib-code | eval-code | eval-prose"),
     out: Path = typer.Option(..., "--out", "-o", help="JSONL file to write ({\"prompt\": ...} per line)"),
     n: Optional[int] = typer.Option(None, "--n", min=1),
     seed: int = typer.Option(0, "--seed"),

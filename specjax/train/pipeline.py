@@ -66,6 +66,19 @@ class DataSpec:
     extra: dict = field(default_factory=dict)
 
 
+def recipe_data_spec(cfg, num_hidden_layers: int) -> DataSpec:
+    """The :class:`DataSpec` a training recipe (``TrainConfig``) builds ``data.path`` with: its
+    ``data.prepare`` settings, the draft's aux layer ids (default [2, n//2, n-3]), the cache dtype
+    and the draft vocabulary size. ``specjax train`` and ``specjax data prepare --config`` both use it,
+    so a directory prepared by either is the one the other expects."""
+    if cfg.data.prepare is None:
+        raise DatasetError("the recipe has no data.prepare section: it cannot build its data; give data.prepare or "
+                           "run `specjax data prepare` with explicit options", key="data.prepare")
+    aux = list(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else default_aux_layer_ids(num_hidden_layers)
+    return DataSpec(**cfg.data.prepare.model_dump(), aux_layer_ids=aux, hidden_states_dtype=cfg.data.hidden_states_dtype,
+                    draft_vocab_size=cfg.draft.draft_vocab_size)
+
+
 def _user_turn_ends(conv: Conversation) -> list[int]:
     """Indices just past each user turn in the conversation with assistant turns removed."""
     kept = [t for t in conv if t["role"] != "assistant"]

@@ -20,6 +20,9 @@ their name: ``stdlib`` (training) never uses a module the ``eval-code`` / ``eval
   signature and docstring, 15 % write a function from a description, 15 % explain / review /
   test / annotate code) and 30 % prose prompts (what a function or class does, explain a module,
   summarise documentation), drawn in that proportion from shuffled pools.
+* ``stdlib-code``: code prompts only, from the same training modules (``STDLIB_CODE_MIX``: 80 %
+  complete a function, 20 % write one from a description), for a draft meant for code (the
+  main job's short recipe spends its minutes there).
 * ``eval-code``: function-completion prompts from the held-out modules.
 * ``eval-prose``: explanation prompts from the held-out modules.
 """
@@ -334,6 +337,8 @@ def _prose(it: _Item, rng: random.Random) -> str | None:
 # explanations), in these proportions.
 STDLIB_MIX = (("complete", 0.40, _completion), ("write", 0.15, _write), ("explain", 0.15, _explain),
               ("prose", 0.30, _prose))
+STDLIB_CODE_MIX = (("complete", 0.80, _completion), ("write", 0.20, _write))
+MIXES = {"stdlib": STDLIB_MIX, "stdlib-code": STDLIB_CODE_MIX}
 
 
 def _collect(split: str) -> list[_Item]:
@@ -349,17 +354,18 @@ def builtin_prompts(name: str = "stdlib", n: int | None = None, *, seed: int = 0
     """A built-in prompt set (see the module docstring) as single-user-turn conversations,
     shuffled with ``seed`` and cut to ``n``."""
     rng = random.Random(seed)
-    if name == "stdlib":
+    if name in MIXES:
+        mix = MIXES[name]
         # The same code can live in a training and a held-out module (pydoc's HTMLDoc.markup is
         # copied into xmlrpc.server): drop such items so no evaluation prompt is trained on.
         held_out = {(it.header, it.doc) for it in _collect("eval")}
         items = [it for it in _collect("train") if (it.header, it.doc) not in held_out]
         pools = []
-        for _, w, make in STDLIB_MIX:
+        for _, w, make in mix:
             pool = sorted({p for p in (make(it, rng) for it in items) if p})
             rng.shuffle(pool)
             pools.append(pool)
-        weights = [w for _, w, _ in STDLIB_MIX]
+        weights = [w for _, w, _ in mix]
         prompts, seen = [], set()
         total = sum(len(p) for p in pools)
         while len(prompts) < (n if n is not None else total):
@@ -380,7 +386,7 @@ def builtin_prompts(name: str = "stdlib", n: int | None = None, *, seed: int = 0
         prompts = [_PROSE[i % 2].format(full=f"{it.module}.{it.qualname}", doc="") if it.kind != "module"
                    else _MODULE_PROSE[0].format(mod=it.module, doc="") for i, it in enumerate(_collect("eval"))]
     else:
-        raise PromptFileError(f"unknown built-in prompt set {name!r}; expected stdlib, eval-code or eval-prose",
+        raise PromptFileError(f"unknown built-in prompt set {name!r}; expected one of {sorted(MIXES)}, eval-code or eval-prose",
                               key="prompts")
     prompts = sorted(set(prompts))
     rng.shuffle(prompts)

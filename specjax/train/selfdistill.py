@@ -9,8 +9,13 @@ at that step), plus one extra step that feeds the final token. They equal a sepa
 over the whole row up to float rounding (checked in tests), so no second pass is needed.
 
 Shapes: the decode loop is one ``jax.jit`` (``lax.while_loop``) per ``(batch, cache length,
-max_new_tokens)``; prompts are right-padded to a multiple of ``prompt_bucket`` (one small prefill
-compile per bucket).
+max_new_tokens)``; prompts are right-padded to a multiple of ``prompt_bucket`` and each batch's KV
+cache holds its own bucket + ``max_new_tokens`` slots (one prefill and one decode compile per
+bucket: prompts run sorted by length, so short batches do not pay for the longest prompt's cache).
+On a single-device CPU the forwards run in the panel view of the params
+(:func:`specjax.models.panels.decode_state`: the native matmul and decode-attention kernels, as
+the generate loop does); at most ``panels.MAX_ROWS`` rows a step take that path, so a batch of 16
+streams the weights once per step where XLA's dot would re-read them at a stride.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from flax import nnx
 
 from specjax.decode.generate import emit
 from specjax.decode.sampling import SamplingParams, sample
+from specjax.models import panels
 from specjax.models.target import KVCache
 
 TRACE_COUNT = {"prefill": 0, "decode": 0}
@@ -127,8 +133,8 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
     Pmax = _bucket(max_prompt_len or max(lens), prompt_bucket)
     if Pmax + max_new_tokens > ctx:
         raise ValueError(f"prompts up to {Pmax} tokens + {max_new_tokens} new tokens exceed the context {ctx}")
-    max_len = Pmax + max_new_tokens
     graphdef, params = nnx.split(model)
+    params = panels.decode_state(model, params)
     cache_dtype = jnp.dtype(model.model.embed_tokens.embedding[...].dtype)
     order = sorted(range(len(prompts)), key=lambda i: (lens[i], i))
     eos = jnp.asarray(list(eos_token_ids), jnp.int32)
@@ -148,7 +154,7 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
             ids[r, : lens[i]] = prompts[i]
             plen[r] = lens[i]
             limits[r] = max_new_tokens
-        cache = KVCache.init(cfg, B, max_len, cache_dtype)
+        cache = KVCache.init(cfg, B, P + max_new_tokens, cache_dtype)
         logits, cache, phs = _prefill(graphdef, params, jnp.asarray(ids), jnp.asarray(plen), cache, taps=taps_t,
                                       out_dtype=out_dtype)
         key, sub = jax.random.split(key)

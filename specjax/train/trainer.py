@@ -126,16 +126,14 @@ class Run:
         self.aux = list(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else default_aux_layer_ids(n)
         self.layer_ids = cache_layer_ids(self.aux, n)
         # ---- data
-        from specjax.train.pipeline import DataSpec, load_data_dir, prepare_data
+        from specjax.train.pipeline import load_data_dir, prepare_data, recipe_data_spec
 
         ddir = Path(cfg.data.path)
         if not (ddir / "state.json").is_file():
             if cfg.data.prepare is None:
                 raise DatasetError("no tokenized dataset here; run `specjax data prepare` or give data.prepare in the "
                                    "recipe", path=str(ddir))
-            p = cfg.data.prepare
-            spec = DataSpec(**p.model_dump(), aux_layer_ids=self.aux, hidden_states_dtype=cfg.data.hidden_states_dtype,
-                            draft_vocab_size=cfg.draft.draft_vocab_size)
+            spec = recipe_data_spec(cfg, n)
             self.log(f"preparing data in {ddir}")
             prepare_data(ddir, spec, target, progress=progress, log=self.log)
         rows, meta = load_data_dir(ddir)

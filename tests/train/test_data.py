@@ -65,6 +65,53 @@ def test_builtin_sets_are_disjoint_and_mixed():
     assert builtin_prompts("stdlib", 5, seed=1) == builtin_prompts("stdlib", 5, seed=1)
 
 
+def test_stdlib_code_set_is_code_only_and_held_out_disjoint():
+    code_train = builtin_prompts("stdlib-code", seed=0)
+    assert len(code_train) > 2000
+    texts = [c[0]["content"] for c in code_train]
+    write = ("Write a Python function", "In Python, write a function", "Write Python code for")
+    assert all("```python" in t or t.startswith(write) for t in texts)
+    held_out = {c[0]["content"] for c in builtin_prompts("eval-code", seed=0) + builtin_prompts("eval-prose", seed=0)}
+    assert not set(texts) & held_out
+    assert sum(t.startswith(write) for t in texts[:1000]) in range(140, 260)  # ~20 % write
+    with pytest.raises(PromptFileError, match="stdlib-code"):
+        builtin_prompts("stdlib-prose")
+
+
+def test_data_prepare_from_a_recipe_is_the_directory_train_expects(tmp_path, tiny_target_dir, tiny_data):
+    """``specjax data prepare --config RECIPE`` builds the recipe's data.path with the settings
+    ``specjax train`` would use (same rows as a direct build), and a second call leaves the complete
+    directory alone (exit 0)."""
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    prompts = tiny_prompts(tmp_path / "p.jsonl")
+    d = tmp_path / "d"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""speculator_type: eagle3
+target: {tiny_target_dir}
+data:
+  path: {d}
+  prepare: {{prompts: {prompts}, max_new_tokens: 20, seq_length: 128, batch_size: 8, temperature: 0.0}}
+draft: {{target_layer_ids: {TINY_AUX}, draft_vocab_size: 40}}
+trainer: {{output_dir: {tmp_path / 'run'}}}
+""")
+    runner = CliRunner()
+    r = runner.invoke(app, ["data", "prepare", "--config", str(recipe), "--json"])
+    assert r.exit_code == 0, r.output
+    meta = json.loads(r.output.strip().splitlines()[-1])
+    assert meta["complete"] and meta["rows"] == 24 and meta["aux_layer_ids"] == TINY_AUX
+    assert (d / "d2t-40.npy").is_file()
+    a, _ = load_data_dir(d)
+    b, _ = load_data_dir(tiny_data)  # the same settings through prepare_data directly
+    assert all(np.array_equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
+    r2 = runner.invoke(app, ["data", "prepare", "--config", str(recipe)])
+    assert r2.exit_code == 0 and "already complete" in r2.output
+    r3 = runner.invoke(app, ["data", "prepare", "--set", "data.path=x"])
+    assert r3.exit_code != 0 and "--config" in r3.output
+
+
 def test_render_rows_assistant_only_mask(tiny_target):
     tok = tiny_target.tokenizer
     conv = [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
@@ -204,6 +251,70 @@ def test_prepare_resumes_after_a_kill(tmp_path, tiny_target, tiny_data, monkeypa
     assert all(np.array_equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
     for i in (0, 7, 23):
         np.testing.assert_array_equal(np.asarray(read_hs(hs_path(tmp_path / "d", i)).hidden_states, np.float32),
+                                      np.asarray(read_hs(hs_path(tiny_data, i)).hidden_states, np.float32))
+
+
+_KILLER = """
+import os, signal, sys
+from specjax.models.loading import load_target
+import specjax.train.selfdistill as sd
+from specjax.train.pipeline import prepare_data
+from tests.train.conftest import tiny_spec
+
+real, seen = sd.generate_with_hidden_states, []
+def dying(*a, on_batch=None, **kw):
+    def ob(idx, res):
+        on_batch(idx, res)
+        seen.append(idx)
+        if len(seen) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)  # kill -9 between two batches: no cleanup runs
+    return real(*a, on_batch=ob, **kw)
+sd.generate_with_hidden_states = dying
+prepare_data(sys.argv[3], tiny_spec(sys.argv[2]), load_target(sys.argv[1], progress=False), progress=False)
+"""
+
+
+def test_prepare_killed_midway_resumes_without_regenerating(tmp_path, tiny_target_dir, tiny_target, tiny_data,
+                                                            monkeypatch):
+    """A ``kill -9`` of a data build, then the same build again: the rerun regenerates only the
+    answers the killed run had not written (the staged files are kept, not rewritten), and the
+    directory equals an uninterrupted build (tiny_data, same settings) row for row."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import specjax.train.selfdistill as sd
+
+    repo = Path(__file__).resolve().parents[2]
+    prompts = tiny_prompts(tmp_path / "p.jsonl")
+    d = tmp_path / "d"
+    r = subprocess.run([sys.executable, "-c", _KILLER, str(tiny_target_dir), str(prompts), str(d)], cwd=repo,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    staged = sorted((d / "hidden_states" / ".staging").glob("*.safetensors"))
+    assert len(staged) == 16 and not (d / "state.json").exists()  # two batches of 8 of the 24 prompts
+    kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in staged}
+
+    real, asked = sd.generate_with_hidden_states, []
+
+    def counting(model, prompts, **kw):
+        asked.append(len(prompts))
+        return real(model, prompts, **kw)
+
+    monkeypatch.setattr(sd, "generate_with_hidden_states", counting)
+    meta = prepare_data(d, tiny_spec(prompts), tiny_target, progress=False)
+    assert asked == [24 - 16]  # only the 8 answers the killed run had not written
+    finals = {(p.stat().st_ino, p.stat().st_mtime_ns) for p in (d / "hidden_states").glob("hs_*.safetensors")}
+    assert set(kept.values()) <= finals  # the staged files became rows untouched (moved, not rewritten)
+    assert meta["rows"] == 24 and not (d / "hidden_states" / ".staging").exists()
+    a, _ = load_data_dir(d)
+    b, _ = load_data_dir(tiny_data)
+    assert all(np.array_equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
+    assert all(np.array_equal(x, y) for x, y in zip(a.loss_mask, b.loss_mask))
+    for i in range(24):
+        np.testing.assert_array_equal(np.asarray(read_hs(hs_path(d, i)).hidden_states, np.float32),
                                       np.asarray(read_hs(hs_path(tiny_data, i)).hidden_states, np.float32))
 
 
