@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import importlib
 
-import typer
+from specjax.paths import use_compilation_cache
+
+use_compilation_cache()  # before any command module can import jax
+
+import typer  # noqa: E402
 
 app = typer.Typer(
     name="specjax",

@@ -38,3 +38,19 @@ def test_version_of_the_installed_console_script():
     r = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"specjax {version('specjax')}\n"
+
+
+def test_compilation_cache_defaults_under_the_specjax_cache(monkeypatch, tmp_path):
+    """Every CLI run keeps JAX's persistent compilation cache in $SPECJAX_CACHE/jax unless the user
+    chose a directory or turned it off."""
+    from specjax.paths import use_compilation_cache
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("SPECJAX_COMPILATION_CACHE", raising=False)
+    assert use_compilation_cache() == str(tmp_path / "jax")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere/else")
+    assert use_compilation_cache() == "/somewhere/else"
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    monkeypatch.setenv("SPECJAX_COMPILATION_CACHE", "0")
+    assert use_compilation_cache() is None and "JAX_COMPILATION_CACHE_DIR" not in __import__("os").environ

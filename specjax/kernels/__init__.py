@@ -23,6 +23,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from specjax.paths import cache_root
+
 SOURCES = ("panel_matmul.cc", "decode_attention.cc")
 HEADERS = ("common.h",)
 TARGETS = ("specjax_panel_matmul", "specjax_panel_matmul_bf16", "specjax_decode_attention")
@@ -36,8 +38,7 @@ def disabled_by_env() -> bool:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_id() -> str:
