@@ -99,10 +99,11 @@ def prepare_cmd(
             cfg = load_recipe(config, set_)
             out = Path(cfg.data.path) if out is None else out
             target = cfg.target if target is None else target
-            if read_meta(out).get("complete"):
+            done = read_meta(out)
+            if done.get("complete"):
                 if is_main_process():
-                    print(json.dumps(read_meta(out), default=str)) if as_json else console().print(
-                        f"{out} is already complete ({read_meta(out).get('rows')} rows); nothing to do")
+                    print(json.dumps(done, default=str)) if as_json else console().print(
+                        f"{out} is already complete ({done.get('rows')} rows); nothing to do")
                 return
         elif set_:
             raise typer.BadParameter("--set takes effect with --config only")
