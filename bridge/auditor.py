@@ -10,14 +10,14 @@ Exit codes of ``specjax audit``: 0 clean (warnings allowed), 1 errors, 2 unreada
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from bridge.contract import FLOAT, expected_tensors, open_prefixes
-from bridge.errors import BridgeError
+from bridge.errors import BridgeError, CheckpointNotFoundError, ConfigError
+from bridge.jsonio import read_json
 from bridge.safetensors_io import open_tensors
 from bridge.schema import DFlashConfig, DraftConfig, Eagle3Config, MTPConfig, PEagleConfig, read_config
 
@@ -238,12 +238,15 @@ def _aux_key(cfg) -> str:
 def _verifier_text_config(vdir: Path, rep: Report) -> dict | None:
     p = vdir / "config.json"
     try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+        raw = read_json(p, what="the verifier's config.json", error=ConfigError)
+    except CheckpointNotFoundError:
         rep.error("verifier.unreadable", f"{p}: verifier config.json not found", "verifier")
         return None
-    except (UnicodeDecodeError, ValueError) as e:
-        rep.error("verifier.unreadable", f"{p}: not valid JSON ({e})", "verifier")
+    except ConfigError as e:
+        rep.error("verifier.unreadable", str(e), "verifier")
+        return None
+    if not isinstance(raw, dict):
+        rep.error("verifier.unreadable", f"{p}: holds a JSON {type(raw).__name__}; expected an object", "verifier")
         return None
     if isinstance(raw.get("text_config"), dict):  # multimodal wrappers
         raw = {**raw["text_config"], "architectures": raw.get("architectures")}

@@ -30,6 +30,7 @@ from bridge.errors import (
     ShardIndexError,
     WriteError,
 )
+from bridge.jsonio import loads_bounded, read_json, regular_file
 from bridge.atomic import atomic_dir, atomic_file
 
 # safetensors dtype tag -> numpy dtype
@@ -107,7 +108,7 @@ def parse_header(path: str | os.PathLike, *, file_size: int | None = None, raw: 
     path = str(path)
     try:
         if raw is None:
-            size = os.path.getsize(path)
+            size = regular_file(path, "a safetensors file", SafetensorsFormatError)  # a FIFO would block open()
             with open(path, "rb") as f:
                 head = f.read(8)
                 if len(head) < 8:
@@ -130,13 +131,7 @@ def parse_header(path: str | os.PathLike, *, file_size: int | None = None, raw: 
         raise SafetensorsFormatError("expected a safetensors file, found a directory", path=path) from e
     except PermissionError as e:
         raise SafetensorsFormatError(f"cannot read file: {e.strerror}", path=path) from e
-    try:
-        text = raw.decode("utf-8")
-        header = json.loads(text, object_pairs_hook=_no_duplicate_keys(path))
-    except SafetensorsFormatError:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise SafetensorsFormatError(f"header is not valid UTF-8 JSON ({type(e).__name__}: {e})", path=path) from e
+    header = loads_bounded(raw, path=path, what="header", error=SafetensorsFormatError, hook=_no_duplicate_keys(path))
     if not isinstance(header, dict):
         raise SafetensorsFormatError(f"header is a JSON {type(header).__name__}; expected an object", path=path)
     data_start = 8 + n
@@ -182,7 +177,16 @@ def parse_header(path: str | os.PathLike, *, file_size: int | None = None, raw: 
                 key=name,
             )
         tensors[name] = TensorInfo(name, tag, tuple(shape), b, e, path)
-    spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
+    check_coverage(tensors, data_len, path)
+    return tensors, metadata, data_start
+
+
+def check_coverage(tensors: Mapping[str, "TensorInfo"], data_len: int | None, path: str) -> None:
+    """The tensors' byte ranges tile the data buffer exactly, as the reference safetensors library
+    requires: sorted by offset, each starts where the previous one ended, the first at 0 and the
+    last at the buffer's end. A header length off by one, a hole, an overlap or trailing bytes
+    would otherwise shift or leave unread bytes silently."""
+    spans = sorted((t.begin, t.end, t.name) for t in tensors.values())
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise SafetensorsFormatError(
@@ -190,7 +194,19 @@ def parse_header(path: str | os.PathLike, *, file_size: int | None = None, raw: 
                 path=path,
                 key=n1,
             )
-    return tensors, metadata, data_start
+        if b1 > e0:
+            raise SafetensorsFormatError(
+                f"{b1 - e0} unused byte(s) between tensors {n0!r} (ends at {e0}) and {n1!r} (starts at {b1}); "
+                "expected the tensors to tile the data buffer", path=path, key=n1)
+    first = spans[0][0] if spans else 0
+    if first:
+        raise SafetensorsFormatError(f"the first tensor {spans[0][2]!r} starts at byte {first} of the data buffer; "
+                                     "expected 0 (is the header length right?)", path=path, key=spans[0][2])
+    end = spans[-1][1] if spans else 0
+    if data_len is not None and end != data_len:
+        raise SafetensorsFormatError(
+            f"the tensors cover {end} bytes but the data buffer after the header holds {data_len}; expected them to "
+            "match exactly (a header length off by one, or bytes appended to the file)", path=path)
 
 
 class SafetensorsFile:
@@ -288,12 +304,7 @@ def open_tensors(directory: str | os.PathLike) -> TensorStore:
 
 def _open_index(d: Path, index: Path) -> TensorStore:
     ipath = str(index)
-    try:
-        doc = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_dup_hook_index(ipath))
-    except ShardIndexError:
-        raise
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ShardIndexError(f"index is not valid JSON ({e})", path=ipath) from e
+    doc = read_json(index, what="the index", error=ShardIndexError, hook=_dup_hook_index(ipath))
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise ShardIndexError("expected an object with a 'weight_map' of tensor name -> shard file", path=ipath, key="weight_map")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from bridge.errors import CheckpointNotFoundError, ConfigError, UnknownModelTypeError
+from bridge.jsonio import read_json
 
 CONFIG_NAME = "config.json"
 
@@ -280,12 +282,9 @@ def read_config(directory: str | Path) -> DraftConfig:
     p = d / CONFIG_NAME
     if not d.exists():
         raise CheckpointNotFoundError("checkpoint directory does not exist", path=str(d))
-    if not p.is_file():
+    if not os.path.lexists(p):  # anything else there (a FIFO, a symlink loop) is refused by read_json, unopened
         raise CheckpointNotFoundError(f"no {CONFIG_NAME} in the checkpoint directory", path=str(d), key=CONFIG_NAME)
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ConfigError(f"not valid JSON: {e}", path=str(p)) from None
+    raw = read_json(p, what=CONFIG_NAME, error=ConfigError)
     return parse_config(raw, path=str(p))
 
 

@@ -247,3 +247,72 @@ def test_all_errors_share_one_base():
     for cls in (CheckpointNotFoundError, ConfigError, UnknownModelTypeError, SafetensorsFormatError, ShardIndexError,
                 TensorMismatchError, WriteError):
         assert issubclass(cls, BridgeError)
+
+
+# ----------------------------------------------------------------------------- hostile files ([hardening])
+
+
+def _padded(header: dict) -> bytes:
+    """A header padded with spaces to a multiple of 8 bytes, as the safetensors writers pad it."""
+    raw = json.dumps(header).encode()
+    return raw + b" " * (-len(raw) % 8 or 8)
+
+
+def test_header_length_off_by_one_is_refused_not_read_shifted(tmp_path):
+    """A header length one short still parses (the padding absorbs it) but would read every tensor
+    one byte early; the data buffer must be covered exactly, so it is refused."""
+    p = tmp_path / "m.safetensors"
+    raw = _padded({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})
+    _write_raw(p, raw, np.arange(2, dtype=np.float32).tobytes(), hlen=len(raw) - 1)
+    with pytest.raises(SafetensorsFormatError, match="cover 8 bytes but the data buffer after the header holds 9"):
+        SafetensorsFile(p)
+
+
+def test_trailing_bytes_and_holes_are_refused(tmp_path):
+    p = tmp_path / "m.safetensors"
+    _write_raw(p, {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12)
+    with pytest.raises(SafetensorsFormatError, match="cover 8 bytes but the data buffer after the header holds 12"):
+        SafetensorsFile(p)
+    _write_raw(p, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                   "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, b"\0" * 12)
+    with pytest.raises(SafetensorsFormatError, match="4 unused byte.*'a'.*'b'"):
+        SafetensorsFile(p)
+    _write_raw(p, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8)
+    with pytest.raises(SafetensorsFormatError, match="starts at byte 4 of the data buffer; expected 0"):
+        SafetensorsFile(p)
+
+
+def test_non_regular_files_are_refused_before_they_are_opened(ck, tmp_path):
+    """A FIFO would block open() forever and a symlink loop raises a bare OSError: both are typed
+    errors naming the file, for the tensors and for config.json."""
+    import os
+
+    st = ck / "model.safetensors"
+    st.unlink()
+    os.mkfifo(st)
+    with pytest.raises(SafetensorsFormatError, match="model.safetensors: expected a safetensors file to be a regular "
+                                                     "file, found a FIFO"):
+        bridge.load_checkpoint(ck)
+    st.unlink()
+    os.symlink(st, st)  # a loop
+    with pytest.raises(SafetensorsFormatError, match="cannot stat a safetensors file: Too many levels of symbolic"):
+        bridge.load_checkpoint(ck)
+    cfg = ck / "config.json"
+    cfg.unlink()
+    os.mkfifo(cfg)
+    with pytest.raises(ConfigError, match="config.json: expected config.json to be a regular file, found a FIFO"):
+        bridge.load_checkpoint(ck)
+
+
+def test_deeply_nested_json_is_a_typed_error(ck, tmp_path):
+    (ck / "config.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ConfigError, match="config.json nests 100000 levels deep; expected at most 64"):
+        bridge.load_checkpoint(ck)
+    p = tmp_path / "m.safetensors"
+    _write_raw(p, b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}", b"")
+    with pytest.raises(SafetensorsFormatError, match="header nests 5001 levels"):
+        SafetensorsFile(p)
+    # brackets inside strings do not count
+    from bridge.jsonio import json_depth
+
+    assert json_depth(b'{"a": "[[[[{{{", "b": [1, [2]]}') == 3
