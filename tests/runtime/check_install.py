@@ -45,7 +45,6 @@ def check_imports(root: Path) -> list[str]:
 
 def command_paths() -> list[list[str]]:
     """Every command of the CLI as its argv prefix (``[]`` is the top level)."""
-    import click
     import typer
 
     from specjax.cli import app
@@ -54,9 +53,8 @@ def command_paths() -> list[list[str]]:
 
     def walk(cmd, prefix):
         out.append(prefix)
-        if isinstance(cmd, click.Group):
-            for name, sub in sorted(cmd.commands.items()):
-                walk(sub, prefix + [name])
+        for name, sub in sorted(getattr(cmd, "commands", {}).items()):  # a group (typer may vendor its click)
+            walk(sub, prefix + [name])
 
     walk(typer.main.get_command(app), [])
     return out

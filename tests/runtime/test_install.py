@@ -86,4 +86,4 @@ def test_every_module_imports():
 
 def test_every_command_help_and_version_run():
     n, failed = check_install.check_cli()
-    assert n >= 20 and failed == [], failed
+    assert n >= 16 and failed == [], failed  # 13 commands and groups + the top level + two console-script runs
