@@ -18,9 +18,10 @@ import numpy as np
 from bridge.contract import FLOAT, expected_tensors, open_prefixes
 from bridge.errors import BridgeError, CheckpointNotFoundError, ConfigError
 from bridge.jsonio import read_json
-from bridge.safetensors_io import open_tensors
+from bridge.safetensors_io import DTYPES, open_tensors
 from bridge.schema import DFlashConfig, DraftConfig, Eagle3Config, MTPConfig, PEagleConfig, read_config
 
+FLOAT_TAGS = frozenset(t for t, d in DTYPES.items() if d.kind in "fV")  # ml_dtypes' bfloat16/fp8 are kind V
 EAGLE3_FAMILIES = ("llama", "qwen3")
 
 
@@ -169,6 +170,9 @@ def check_config(cfg: DraftConfig, shapes: dict[str, tuple[tuple[int, ...], str]
             rep.error("tensors.shape", f"tensor {n!r} has shape {list(s)}; the config implies {list(spec.shape)}", n)
         if spec.dtype != FLOAT and tag != spec.dtype:
             rep.error("tensors.dtype", f"tensor {n!r} has dtype {tag}; expected {spec.dtype}", n)
+        elif spec.dtype == FLOAT and tag not in FLOAT_TAGS:  # e.g. BF16 weights relabelled U16: same bytes, garbage
+            rep.error("tensors.dtype", f"tensor {n!r} has dtype {tag}; expected a floating dtype "
+                                       f"({', '.join(sorted(FLOAT_TAGS))})", n)
 
     # -- aux ids
     ids = cfg.aux_layer_ids

@@ -173,3 +173,16 @@ def test_unreadable_exit_code_2(tmp_path):
     (tmp_path / "config.json").write_text("[]")
     rep = bridge.audit(tmp_path)
     assert rep.exit_code == 2 and rep.unreadable
+
+
+@pytest.mark.parametrize("src,old,new", [("eagle3-qwen3-bf16-pruned", "BF16", "U16"),
+                                         ("eagle3-qwen3-bf16-pruned", "BF16", "I16"),
+                                         ("eagle3-llama-f32", "F32", "U32"), ("eagle3-llama-f32", "F32", "I32")])
+def test_float_tensor_relabelled_as_integer_is_an_error(spec_ckpts, tmp_path, src, old, new):
+    """Same byte size, so the header parses; the audit (not only a load) says the dtype is wrong."""
+    s = open_tensors(spec_ckpts[src])
+    name = next(n for n in s.names if s.info(n).dtype == old)
+    d = mutated(spec_ckpts[src], tmp_path / "x", add={name: (new, tuple(s.info(name).shape))})
+    rep = bridge.audit(d)
+    assert "tensors.dtype" in rules(rep), rep.findings
+    assert any(f"{name!r} has dtype {new}; expected a floating dtype" in f.message for f in rep.findings)
