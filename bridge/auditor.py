@@ -15,13 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bridge.contract import FLOAT, expected_tensors, open_prefixes
+from bridge.contract import FLOAT, FLOAT_TAGS, expected_tensors, open_prefixes
 from bridge.errors import BridgeError, CheckpointNotFoundError, ConfigError
 from bridge.jsonio import read_json
-from bridge.safetensors_io import DTYPES, open_tensors
+from bridge.safetensors_io import open_tensors
 from bridge.schema import DFlashConfig, DraftConfig, Eagle3Config, MTPConfig, PEagleConfig, read_config
 
-FLOAT_TAGS = frozenset(t for t, d in DTYPES.items() if d.kind in "fV")  # ml_dtypes' bfloat16/fp8 are kind V
 EAGLE3_FAMILIES = ("llama", "qwen3")
 
 

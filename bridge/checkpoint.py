@@ -18,12 +18,11 @@ import numpy as np
 
 from bridge import layout
 from bridge.atomic import atomic_dir, atomic_file
-from bridge.contract import FLOAT, expected_tensors, open_prefixes
+from bridge.contract import FLOAT, FLOAT_TAGS, expected_tensors, open_prefixes
 from bridge.errors import TensorMismatchError
 from bridge.safetensors_io import DTYPES, TensorStore, dtype_tag, open_tensors, write_tensors_into
 from bridge.schema import CONFIG_NAME, DraftConfig, dumps_config, read_config
 
-FLOAT_TAGS = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})
 BUFFER_DTYPES = {"t2d": np.dtype(np.bool_), "d2t": np.dtype(np.int64)}
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from bridge.schema import DFlashConfig, DraftConfig, DSparkConfig, Eagle3Config, MTPConfig, PEagleConfig
 
 FLOAT = "float"  # any floating dtype (F32/BF16/F16/...)
+FLOAT_TAGS = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})  # the safetensors tags FLOAT admits
 
 
 @dataclass(frozen=True)
