@@ -20,6 +20,7 @@ from bridge.errors import BridgeError, CheckpointNotFoundError, ConfigError
 from bridge.jsonio import read_json
 from bridge.safetensors_io import open_tensors
 from bridge.schema import DFlashConfig, DraftConfig, Eagle3Config, MTPConfig, PEagleConfig, read_config
+from bridge.vocab_maps import vocab_map_problems
 
 EAGLE3_FAMILIES = ("llama", "qwen3")
 
@@ -75,6 +76,7 @@ def audit(path: str | Path, verifier: str | Path | None = None, *, deep: bool = 
     rep.algorithm = cfg.speculators_model_type
     infos = {n: i for n, i in store.infos().items()}
     check_config(cfg, {n: (tuple(i.shape), i.dtype) for n, i in infos.items()}, rep)
+    check_vocab_values(cfg, store, rep, deep=deep)
     if verifier is not None:
         check_verifier(cfg, Path(verifier), rep)
     if deep:
@@ -90,6 +92,20 @@ def audit(path: str | Path, verifier: str | Path | None = None, *, deep: bool = 
                 if inf:
                     rep.error("deep.inf", f"tensor {n!r} holds {inf} Inf value(s)", n)
     return rep
+
+
+def check_vocab_values(cfg: DraftConfig, store, rep: Report, *, deep: bool) -> None:
+    """``d2t``/``t2d`` values (small buffers, read even without ``deep``), once their header-level
+    checks passed: ranges, order and agreement (:mod:`bridge.vocab_maps`)."""
+    if "d2t" not in store or "t2d" not in store or any(f.key in ("d2t", "t2d") for f in rep.findings if f.level == "error"):
+        return
+    d2t, t2d = store.array("d2t"), store.raw_bytes("t2d")
+    if not deep and not any(t2d) and not np.any(d2t):  # never filled, or a header-only (sparse) file
+        rep.warn("vocab.unfilled", "d2t and t2d hold only zeros: the vocabulary mapping was never filled in (or this "
+                 "is a header-only file); --deep (and loading) treat it as an error", "t2d")
+        return
+    for key, msg in vocab_map_problems(d2t, t2d, cfg.layer.vocab_size):
+        rep.error("vocab.values", msg, key)
 
 
 def check_config(cfg: DraftConfig, shapes: dict[str, tuple[tuple[int, ...], str]], rep: Report) -> None:

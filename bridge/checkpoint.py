@@ -19,6 +19,7 @@ import numpy as np
 from bridge import layout
 from bridge.atomic import atomic_dir, atomic_file
 from bridge.contract import FLOAT, FLOAT_TAGS, expected_tensors, open_prefixes
+from bridge.vocab_maps import vocab_map_problems
 from bridge.errors import TensorMismatchError
 from bridge.safetensors_io import DTYPES, TensorStore, dtype_tag, open_tensors, write_tensors_into
 from bridge.schema import CONFIG_NAME, DraftConfig, dumps_config, read_config
@@ -98,6 +99,10 @@ def load_checkpoint(path: str | Path, *, check: bool = True) -> Checkpoint:
     where = store.index_path or store.files[0].path if store.files else str(path)
     if check:
         check_tensors(cfg, store.infos(), where=where)
+        if "d2t" in store and "t2d" in store:  # small buffers: their values are checked, not only their shapes
+            problems = vocab_map_problems(store.array("d2t"), store.raw_bytes("t2d"), cfg.layer.vocab_size)
+            if problems:
+                raise TensorMismatchError(problems[0][1], path=where, key=problems[0][0])
     table = layout.TABLES[cfg.speculators_model_type]
     tree = layout.unflatten({n: _LazyView(store, n) for n in store.names}, table, where=where,
                             load=lambda n, v: v.resolve())

@@ -2,6 +2,7 @@
 nothing is modified or half-written."""
 
 import json
+import re
 import shutil
 import struct
 
@@ -316,3 +317,75 @@ def test_deeply_nested_json_is_a_typed_error(ck, tmp_path):
     from bridge.jsonio import json_depth
 
     assert json_depth(b'{"a": "[[[[{{{", "b": [1, [2]]}') == 3
+
+
+def _with_tensors(ck, **edits):
+    """Rewrite ck/model.safetensors with some tensors replaced (raw numpy arrays, any dtype)."""
+    from bridge.safetensors_io import open_tensors
+
+    s = open_tensors(ck)
+    tensors = {n: np.array(s.array(n)) for n in s.names}
+    meta = s.metadata
+    for f in s.files:
+        f.close()
+    tensors.update(edits)
+    (ck / "model.safetensors").unlink()
+    write_safetensors(ck / "model.safetensors", tensors, metadata=meta)
+
+
+def _d2t_t2d(ck):
+    from bridge.safetensors_io import open_tensors
+
+    s = open_tensors(ck)
+    return np.array(s.array("d2t")), np.array(s.array("t2d"))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("d2t_out_of_range", r"maps to target id .* outside the verifier vocabulary"),
+    ("d2t_negative", r"d2t\[0\] = -1 is negative"),
+    ("d2t_not_increasing", r"expected strictly increasing"),
+    ("t2d_disagrees", r"t2d marks .* target ids but d2t maps .*; they disagree"),
+    ("t2d_byte_2", r"t2d holds byte value 2 at index"),
+])
+def test_vocab_map_values_are_checked_at_load_and_in_audit(ck, case, match):
+    d2t, t2d = _d2t_t2d(ck)
+    V = t2d.size
+    if case == "d2t_out_of_range":
+        d2t[-1] = V  # last draft id -> beyond the vocabulary
+    elif case == "d2t_negative":
+        d2t[0] = -1
+    elif case == "d2t_not_increasing":
+        d2t[1] = d2t[0] - 1  # draft id 1 -> the same target id as draft id 0
+    elif case == "t2d_disagrees":
+        t2d = t2d.copy()
+        t2d[np.flatnonzero(~t2d)[0]] = True
+    if case == "t2d_byte_2":
+        raw = t2d.view(np.uint8).copy()
+        raw[np.flatnonzero(raw)[0]] = 2
+        _with_tensors(ck, t2d=raw.view(np.bool_))
+    else:
+        _with_tensors(ck, d2t=d2t, t2d=t2d)
+    with pytest.raises(TensorMismatchError, match=match) as ei:
+        bridge.load_checkpoint(ck)
+    assert ei.value.key in ("d2t", "t2d")
+    rep = bridge.audit(ck)
+    assert any(f.rule == "vocab.values" and re.search(match, f.message) for f in rep.errors), rep.findings
+    assert rep.exit_code == 1
+
+
+def test_valid_vocab_maps_pass(ck):
+    from bridge.vocab_maps import vocab_map_problems
+
+    d2t, t2d = _d2t_t2d(ck)
+    assert vocab_map_problems(d2t, t2d.tobytes(), t2d.size) == []
+    bridge.load_checkpoint(ck)
+    assert not [f for f in bridge.audit(ck).errors if f.rule == "vocab.values"]
+
+
+def test_unfilled_vocab_maps_warn_in_a_header_audit_and_fail_deep_and_at_load(ck):
+    d2t, t2d = _d2t_t2d(ck)
+    _with_tensors(ck, d2t=np.zeros_like(d2t), t2d=np.zeros_like(t2d))
+    assert [f.rule for f in bridge.audit(ck).findings if f.key == "t2d"] == ["vocab.unfilled"]
+    assert any(f.rule == "vocab.values" for f in bridge.audit(ck, deep=True).errors)
+    with pytest.raises(TensorMismatchError, match="t2d marks 0 target ids but d2t maps"):
+        bridge.load_checkpoint(ck)
