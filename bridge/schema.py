@@ -22,7 +22,9 @@ CONFIG_NAME = "config.json"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, validate_assignment=True)
+    # allow_inf_nan=False: a NaN/inf float (rms_norm_eps, accept_tolerance) is refused here; Orbax would
+    # store it as null and fail to restore
+    model_config = ConfigDict(extra="allow", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 
 class ProposalMethod(_Strict):
@@ -54,7 +56,7 @@ class SpeculatorsBlock(_Strict):
 class LayerConfig(_Strict):
     """Typed view of ``transformer_layer_config`` (the draft decoder definition)."""
 
-    model_config = ConfigDict(extra="allow", strict=False)
+    model_config = ConfigDict(extra="allow", strict=False, allow_inf_nan=False)
     model_type: str = "qwen3"  # speculators rebuilds a Qwen3Config when the key is absent
     hidden_size: int = Field(gt=0)
     num_attention_heads: int = Field(gt=0)
@@ -63,7 +65,7 @@ class LayerConfig(_Strict):
     intermediate_size: int = Field(gt=0)
     num_hidden_layers: int = Field(ge=0)
     vocab_size: int = Field(gt=0)
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = Field(1e-6, gt=0.0)
     hidden_act: str = "silu"
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -93,6 +95,14 @@ class LayerConfig(_Strict):
             rp.update(scaling)
             rp["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
         return rp
+
+    @model_validator(mode="after")
+    def _layer_types_fit(self):
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers "
+                                 f"{self.num_hidden_layers}; expected one per layer")
+        return self
 
     def sliding_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types or []) if t == "sliding_attention"]

@@ -389,3 +389,22 @@ def test_unfilled_vocab_maps_warn_in_a_header_audit_and_fail_deep_and_at_load(ck
     assert any(f.rule == "vocab.values" for f in bridge.audit(ck, deep=True).errors)
     with pytest.raises(TensorMismatchError, match="t2d marks 0 target ids but d2t maps"):
         bridge.load_checkpoint(ck)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c["transformer_layer_config"].update(rms_norm_eps=float("nan")), "rms_norm_eps"),
+    (lambda c: c["transformer_layer_config"].update(rms_norm_eps=float("inf")), "rms_norm_eps"),
+    (lambda c: c["transformer_layer_config"].update(rms_norm_eps=0.0), "rms_norm_eps"),
+    (lambda c: c["transformer_layer_config"].update(layer_types=["full_attention"] * 7), r"layer_types has 7 entries"),
+    (lambda c: c["speculators_config"]["proposal_methods"][0].update(accept_tolerance=float("inf")), "accept_tolerance"),
+])
+def test_config_values_that_cannot_run_or_round_trip_are_refused(ck, edit, match):
+    """NaN/inf floats (Orbax would store null and fail to restore), a non-positive norm epsilon and
+    layer_types not one per layer are config errors at load and in audit."""
+    cfg = json.loads((ck / "config.json").read_text())
+    edit(cfg)
+    (ck / "config.json").write_text(json.dumps(cfg))  # json writes NaN / Infinity literals
+    with pytest.raises(ConfigError, match=match):
+        bridge.load_checkpoint(ck)
+    rep = bridge.audit(ck)
+    assert rep.exit_code == 2 and re.search(match, rep.unreadable)
