@@ -24,7 +24,8 @@ def test_smollm2_recipe_end_to_end(tmp_path):
     lt = load_target(None, progress=False)
     cfg = load_recipe(REPO / "configs" / "eagle3-smollm2.yaml", [
         f"data.path={tmp_path / 'data'}", "data.prepare.prompts=builtin:stdlib:8", "data.prepare.max_new_tokens=24",
-        "data.prepare.batch_size=8", "data.total_seq_len=512", "draft.draft_vocab_size=2048",
+        "data.prepare.batch_size=8", "data.prepare.max_prompt_tokens=320", "data.total_seq_len=512",
+        "draft.draft_vocab_size=2048",
         f"trainer.output_dir={tmp_path / 'run'}", "trainer.max_steps=3", "data.train_data_ratio=0.75"])
     run = Run(cfg, target=lt, progress=False)
     s = run.train()
