@@ -19,23 +19,21 @@ import traceback
 from pathlib import Path
 
 PACKAGES = ("bridge", "specjax")
-# modules that exist only to be run as scripts or that need an optional extra, with the reason
-SKIP: dict[str, str] = {}
 
 
-def module_names(root: Path) -> list[str]:
+def module_names() -> list[str]:
     names = []
     for pkg in PACKAGES:
         names.append(pkg)
         mod = importlib.import_module(pkg)
         for info in pkgutil.walk_packages(mod.__path__, prefix=pkg + "."):
             names.append(info.name)
-    return sorted(set(names) - set(SKIP))
+    return sorted(set(names))
 
 
-def check_imports(root: Path) -> list[str]:
+def check_imports() -> list[str]:
     failed = []
-    for name in module_names(root):
+    for name in module_names():
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - every failure is reported, whatever its kind
@@ -84,9 +82,8 @@ def check_cli() -> tuple[int, list[str]]:
 
 
 def main() -> int:
-    root = Path(__file__).resolve().parents[2]
-    names = module_names(root)
-    failed = check_imports(root)
+    names = module_names()
+    failed = check_imports()
     n_cli, cli_failed = check_cli()
     failed += cli_failed
     for f in failed:

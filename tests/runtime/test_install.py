@@ -81,7 +81,7 @@ def test_accelerator_extras_pin_the_base_jax_and_flax_accepts_it():
 
 
 def test_every_module_imports():
-    assert check_install.check_imports(REPO) == []
+    assert check_install.check_imports() == []
 
 
 def test_every_command_help_and_version_run():
