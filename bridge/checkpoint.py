@@ -91,15 +91,16 @@ def check_tensors(cfg: DraftConfig, infos: Mapping[str, Any], *, where: str) -> 
             raise TensorMismatchError(f"tensor {n!r} has dtype {tag}; expected {spec.dtype}", path=where, key=n)
 
 
-def load_checkpoint(path: str | Path, *, check: bool = True) -> Checkpoint:
-    """Open a speculators checkpoint directory (single or sharded safetensors)."""
+def load_checkpoint(path: str | Path, *, check: bool = True, check_vocab: bool = True) -> Checkpoint:
+    """Open a speculators checkpoint directory (single or sharded safetensors). ``check_vocab``:
+    also check the d2t/t2d values (a caller with its own mapping check turns it off)."""
     path = Path(path)
     cfg = read_config(path)
     store = open_tensors(path)
     where = store.index_path or store.files[0].path if store.files else str(path)
     if check:
         check_tensors(cfg, store.infos(), where=where)
-        if "d2t" in store and "t2d" in store:  # small buffers: their values are checked, not only their shapes
+        if check_vocab and "d2t" in store and "t2d" in store:  # small buffers: their values are checked, not only their shapes
             problems = vocab_map_problems(store.array("d2t"), store.raw_bytes("t2d"), cfg.layer.vocab_size)
             if problems:
                 raise TensorMismatchError(problems[0][1], path=where, key=problems[0][0])
