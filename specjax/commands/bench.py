@@ -17,9 +17,28 @@ def register(app: typer.Typer) -> None:
     app.command("bench")(bench_cmd)
 
 
+def bench_prompts(spec: str, *, max_samples: int | None = None, shuffle_seed: int | None = None) -> list:
+    """Prompts through the one prompt reader (:func:`specjax.train.prompts.read_prompts`), in the
+    forms ``specjax.decode.bench.encode`` takes: a single user turn as its text (``--no-chat``
+    applies), a conversation up to its last user turn as messages, token ids as a list of ints."""
+    from specjax.train.prompts import PromptIds, read_prompts
+
+    out = []
+    for r in read_prompts(spec, max_samples=max_samples, shuffle_seed=shuffle_seed,
+                          accept=("conversation", "prompt_ids")):
+        if isinstance(r, PromptIds):
+            out.append(r.ids)
+            continue
+        last_user = max(i for i, t in enumerate(r) if t["role"] == "user")
+        turns = r[: last_user + 1]
+        out.append(turns[0]["content"] if len(turns) == 1 else turns)
+    return out
+
+
 def bench_cmd(
-    prompts: str = typer.Option(..., "--prompts", help="JSONL: one prompt per line (a string, or {prompt|text|"
-                                "messages|prompt_ids})"),
+    prompts: str = typer.Option(..., "--prompts", help="a .jsonl/.json/.parquet/.arrow file, a directory of them, a "
+                                "save_to_disk directory, hf:<id>[:<config>][:<split>] or builtin:<set>[:<n>]; records: "
+                                "{prompt|text}, {conversations|messages} (up to the last user turn), {prompt_ids}"),
     target: str = typer.Option("default", "--target", "-t", help="'default' (embedded SmolLM2), a .gguf file, an HF "
                                "model dir, or a cached HF repo id"),
     draft: str = typer.Option("self", "--draft", "-d",
@@ -31,7 +50,9 @@ def bench_cmd(
     top_k: int = typer.Option(0, "--top-k", min=0),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1),
     batch_size: int = typer.Option(4, "--batch-size", "-b", min=1),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="use only the first N prompts"),
+    max_samples: Optional[int] = typer.Option(None, "--max-samples", "--limit", min=1,
+                                              help="use only the first N prompts (after --shuffle-seed)"),
+    shuffle_seed: Optional[int] = typer.Option(None, "--shuffle-seed", help="shuffle the prompts first"),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="render string prompts with the chat template"),
     draft_sampling: str = typer.Option("greedy", "--draft-sampling",
                                        help="greedy (speculators default, point-mass q) | sample"),
@@ -68,7 +89,7 @@ def bench_cmd(
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         if draft_sampling not in ("greedy", "sample"):
             raise ValueError(f"--draft-sampling must be 'greedy' or 'sample', got {draft_sampling!r}")
-        raw = bench.load_prompts(prompts, limit=limit)
+        raw = bench_prompts(prompts, max_samples=max_samples, shuffle_seed=shuffle_seed)  # before any model loads
         if sharded:  # every parameter straight into its sharding
             lt = load_sharded(target, dev_mesh, dtype=dt, cache_dir=cache_dir, progress=progress)
         else:

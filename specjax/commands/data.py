@@ -57,7 +57,13 @@ def prepare_cmd(
     target: Optional[str] = typer.Option(None, "--target", "-t", help="'default', a .gguf, an HF dir or a cached repo "
                                          "id [default: the recipe's target, else 'default']"),
     prompts: str = typer.Option("builtin:stdlib", "--prompts", "-p",
-                                help="builtin:<stdlib|stdlib-code|eval-code|eval-prose>[:<n>] or a JSONL/JSON prompt file"),
+                                help="builtin:<stdlib|stdlib-code|eval-code|eval-prose>[:<n>], "
+                                     "hf:<id>[:<config>][:<split>] (local HF datasets cache), a .jsonl/.json/.parquet/"
+                                     ".arrow file, a save_to_disk directory or a directory of such files"),
+    max_samples: Optional[int] = typer.Option(None, "--max-samples", min=1,
+                                              help="use the first N prompt records (after --shuffle-seed)"),
+    shuffle_seed: Optional[int] = typer.Option(None, "--shuffle-seed",
+                                               help="shuffle the prompt records first (datasets' shuffle order)"),
     regenerate: bool = typer.Option(True, "--regenerate/--no-regenerate",
                                     help="let the target write the assistant turns (self-distillation)"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
@@ -85,14 +91,20 @@ def prepare_cmd(
     the recipe's ``data.path`` exactly as ``specjax train`` would (a complete one is left alone).
 
     On a mesh of several devices the target loads straight into its shardings and the
-    hidden-state extraction splits its batches over the data and fsdp axes."""
+    hidden-state extraction splits its batches over the data and fsdp axes.
+
+    The prompt input is read and every record checked before the target loads; a bad one exits
+    with an error naming the file and the record, and nothing is written."""
     from bridge.errors import BridgeError
     from specjax.sharding import is_main_process
-    from specjax.train.pipeline import DataSpec, prepare_data, recipe_data_spec
+    from specjax.train.pipeline import DataSpec, prepare_data, recipe_data_spec, recipe_prompts, spec_prompts
 
     try:
         cfg = None
         if config is not None:  # the recipe's settings; its data directory is resumed, a complete one kept
+            if max_samples is not None or shuffle_seed is not None:
+                raise typer.BadParameter("with --config, set data.prepare.max_samples / shuffle_seed in the recipe "
+                                         "(or --set max_samples=N)")
             from specjax.train.config import load_recipe
             from specjax.train.dataset import read_meta
 
@@ -105,20 +117,23 @@ def prepare_cmd(
                     print(json.dumps(done, default=str)) if as_json else console().print(
                         f"{out} is already complete ({done.get('rows')} rows); nothing to do")
                 return
+            records = recipe_prompts(cfg)  # the input checked before the target loads
         elif set_:
             raise typer.BadParameter("--set takes effect with --config only")
-        if out is None:
-            raise typer.BadParameter("give --out DIR (or --config RECIPE)")
+        else:
+            if out is None:
+                raise typer.BadParameter("give --out DIR (or --config RECIPE)")
+            spec = DataSpec(prompts=prompts, regenerate=regenerate, max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_p=top_p, top_k=top_k, seq_length=seq_length,
+                            aux_layer_ids=_ids(aux_layer_ids), hidden_states_dtype=hs_dtype, batch_size=batch_size,
+                            max_prompt_tokens=max_prompt_tokens, draft_vocab_size=draft_vocab_size, seed=seed,
+                            max_samples=max_samples, shuffle_seed=shuffle_seed)
+            records = spec_prompts(spec)  # the input checked before the target loads
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
         lt = _load_target(target or "default", dev_mesh, progress=not as_json and is_main_process())
         if cfg is not None:
             spec = recipe_data_spec(cfg, lt.config.num_hidden_layers)
-        else:
-            spec = DataSpec(prompts=prompts, regenerate=regenerate, max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_p=top_p, top_k=top_k, seq_length=seq_length,
-                            aux_layer_ids=_ids(aux_layer_ids), hidden_states_dtype=hs_dtype, batch_size=batch_size,
-                            max_prompt_tokens=max_prompt_tokens, draft_vocab_size=draft_vocab_size, seed=seed)
-        res = prepare_data(out, spec, lt, progress=not as_json and is_main_process(), log=_log)
+        res = prepare_data(out, spec, lt, progress=not as_json and is_main_process(), log=_log, records=records)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
     if not is_main_process():

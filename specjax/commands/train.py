@@ -45,6 +45,10 @@ def train_cmd(
         if print_config:
             print(cfg.to_yaml(), end="")
             return
+        from specjax.train.pipeline import needs_prepare, recipe_prompts
+
+        if cfg.data.prepare is not None and needs_prepare(cfg):
+            recipe_prompts(cfg)  # a bad prompt input fails here, before the target loads
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
         summary = train(cfg, mesh=dev_mesh, resume=resume, overwrite=overwrite, progress=not as_json,
                         log=lambda m: console(stderr=True).print(m, style="dim"))
@@ -88,10 +92,10 @@ def train_eval_cmd(
     from specjax.train.prompts import PretokenizedRow, resolve_prompts
 
     try:
+        recs = resolve_prompts(prompts)  # checked before the target loads
         lt = load_target(target, progress=not as_json)
         model = load_draft(draft, lt.model)
         cfg = json.loads((Path(draft) / "config.json").read_text(encoding="utf-8"))
-        recs = resolve_prompts(prompts)
         ids = [r.input_ids for r in recs if isinstance(r, PretokenizedRow)] + [
             lt.tokenizer.apply_chat_template([t for t in r if t["role"] != "assistant"] or r,
                                              add_generation_prompt=True, tokenize=True)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specjax.train.algorithms import SPECULATOR_TYPES
 from specjax.train.errors import RecipeError
@@ -52,7 +52,8 @@ class _Section(BaseModel):
 class PrepareArgs(_Section):
     """How ``data.path`` is built when it does not exist (``specjax data prepare`` settings)."""
 
-    prompts: str = Field("builtin:stdlib", description="builtin:<set>[:<n>] or a JSONL/JSON prompt file")
+    prompts: str = Field("builtin:stdlib", description="builtin:<set>[:<n>], hf:<id>[:<config>][:<split>], a "
+                         ".jsonl/.json/.parquet/.arrow file, a save_to_disk directory or a directory of files")
     regenerate: bool = True
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0.0)
@@ -64,6 +65,24 @@ class PrepareArgs(_Section):
     max_prompt_tokens: int = Field(512, ge=1)
     max_batch_tokens: int = Field(4096, ge=64)
     seed: int = 0
+    max_samples: int | None = Field(None, ge=1, description="use the first N prompt records (after the shuffle)")
+    shuffle_seed: int | None = Field(None, description="shuffle the prompt records first (datasets' shuffle order)")
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompt_source(cls, v: str) -> str:
+        """The source's syntax (the files themselves are read when the data is built)."""
+        if not v.strip():
+            raise ValueError("empty; expected builtin:<set>[:<n>], hf:<id>[:<config>][:<split>] or a path")
+        if v.startswith("builtin:"):
+            n = v.split(":")[2:]
+            if len(n) > 1 or (n and n[0] and not n[0].isdigit()):
+                raise ValueError(f"{v!r}: expected builtin:<set>[:<n>] with a positive integer n")
+        elif v.startswith("hf:"):
+            from specjax.train.prompts import parse_hf_spec
+
+            parse_hf_spec(v)
+        return v
 
 
 class DraftArgs(_Section):

@@ -14,6 +14,11 @@ Two paths:
   masks, :mod:`specjax.train.render`) and the hidden states extracted afterwards
   (:func:`specjax.train.hidden_states.extract_hidden_states`, resumable per row).
 
+The prompts are read and every record validated (:func:`specjax.train.prompts.read_prompts`:
+``max_samples`` and ``shuffle_seed`` choose which) before anything is written: a bad input leaves no
+directory behind. :func:`spec_prompts` / :func:`recipe_prompts` run that check on their own, so a
+command can fail on a bad input before it loads the target.
+
 Rows are shuffled with ``seed`` (numpy ``default_rng(seed).permutation``, what ``datasets``'
 ``shuffle`` uses) and ``hs_{i}`` is row ``i`` of the final order. ``specjax_data.json`` is
 written last and marks the directory complete.
@@ -36,7 +41,7 @@ from specjax.train.errors import DatasetError
 from specjax.train.hidden_states import (
     HS_DIR, cache_layer_ids, default_aux_layer_ids, extract_hidden_states, hs_path, is_complete, read_hs, write_hs,
 )
-from specjax.train.prompts import Conversation, PretokenizedRow, resolve_prompts
+from specjax.train.prompts import Conversation, PretokenizedRow, Record, resolve_prompts
 from specjax.train.render import BoundaryUnstableError, conversation_rows, render_ids
 from specjax.train.vocab import (
     TOKEN_FREQ_NAME, build_vocab_mapping, save_token_freq, save_vocab_mapping, token_frequencies,
@@ -63,7 +68,31 @@ class DataSpec:
     max_batch_tokens: int = 4096
     draft_vocab_size: int | None = None
     seed: int = 0
+    max_samples: int | None = None  # use the first N prompt records (after the shuffle below)
+    shuffle_seed: int | None = None  # shuffle the prompt records first (datasets' Dataset.shuffle order)
     extra: dict = field(default_factory=dict)
+
+
+def spec_prompts(spec) -> list[Conversation | PretokenizedRow]:
+    """The prompt records a :class:`DataSpec` (or a recipe's ``data.prepare``, same fields) builds
+    from, read and validated (no model needed): raises
+    :class:`~specjax.train.errors.PromptFileError` naming the file and record on a bad input."""
+    return resolve_prompts(spec.prompts, seed=spec.seed, max_samples=spec.max_samples,
+                           shuffle_seed=spec.shuffle_seed)
+
+
+def needs_prepare(cfg) -> bool:
+    """Whether ``specjax train`` builds the recipe's ``data.path`` first (it has no rows yet)."""
+    return not (Path(cfg.data.path) / "state.json").is_file()
+
+
+def recipe_prompts(cfg) -> list[Conversation | PretokenizedRow]:
+    """A recipe's prompt records (its ``data.prepare``), read and validated: what ``specjax train``
+    and ``data prepare --config`` check before they load the target."""
+    if cfg.data.prepare is None:
+        raise DatasetError("the recipe has no data.prepare section: it cannot build its data; give data.prepare or "
+                           "run `specjax data prepare` with explicit options", key="data.prepare")
+    return spec_prompts(cfg.data.prepare)
 
 
 def recipe_data_spec(cfg, num_hidden_layers: int) -> DataSpec:
@@ -161,8 +190,10 @@ def _regenerate(lt, convs: list[Conversation], data_dir: Path, spec: DataSpec, l
 
 
 def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress: bool = True,
-                 log: Callable[[str], None] | None = None) -> dict:
-    """Build (or resume building) a data directory. ``target``: a ``LoadedTarget``.
+                 log: Callable[[str], None] | None = None, records: list[Record] | None = None) -> dict:
+    """Build (or resume building) a data directory. ``target``: a ``LoadedTarget``; ``records``:
+    the prompt records when the caller has read them already (:func:`spec_prompts`), else they
+    are read here, before the directory is created.
 
     Multi-process runs (``jax.distributed``): hidden-state extraction is split over every process's
     devices and process 0 alone writes files; regenerating answers is refused there (it runs on one
@@ -180,9 +211,7 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
     meta = ds.read_meta(d)
     if meta.get("complete"):
         raise DatasetError("this data directory is already complete; use another --out (or delete it)", path=str(d))
-    if main:
-        d.mkdir(parents=True, exist_ok=True)
-    shd.sync("specjax-prepare-dir")
+    records = spec_prompts(spec) if records is None else records
     lt = target
     cfg = lt.config
     if lt.tokenizer is None:
@@ -193,7 +222,9 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
     if spec.draft_vocab_size is not None and spec.draft_vocab_size > cfg.vocab_size:
         raise DatasetError(f"draft_vocab_size {spec.draft_vocab_size} is larger than the target vocabulary "
                            f"({cfg.vocab_size})", key="draft_vocab_size")
-    records = resolve_prompts(spec.prompts, seed=spec.seed)
+    if main:
+        d.mkdir(parents=True, exist_ok=True)
+    shd.sync("specjax-prepare-dir")
     convs = [r for r in records if not isinstance(r, PretokenizedRow)]
     pretok = [r for r in records if isinstance(r, PretokenizedRow)]
     # a spec file guards against resuming with other settings
@@ -201,6 +232,7 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
     spec_doc = {"spec": asdict(spec), "target": str(lt.source), "layer_ids": layer_ids}
     if spec_p.is_file():
         old = json.loads(spec_p.read_text(encoding="utf-8"))
+        old["spec"] = {**asdict(DataSpec()), **old.get("spec", {})}  # fields added since keep their defaults
         if old != spec_doc:
             diff = sorted(k for k in set(old["spec"]) | set(spec_doc["spec"])
                           if old["spec"].get(k) != spec_doc["spec"].get(k))

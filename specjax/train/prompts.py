@@ -1,157 +1,497 @@
-"""Prompts in: conversation / prompt JSONL files (errors name the line) and a built-in offline
-prompt set made from Python's own standard library.
+"""Prompts in: the one reader behind every prompt input of ``data prepare``, ``train`` and ``bench``.
 
-File lines (JSONL; ``.json`` holding one list also works), one record each:
+Sources (the ``prompts`` string):
 
-* ``{"conversations": [{"from"|"role": ..., "value"|"content": ...}, ...]}`` (ShareGPT / OpenAI;
-  also ``"messages"``) or a bare list of such turns;
-* ``{"prompt": "..."}`` / ``{"text": "..."}`` / ``{"instruction": ..., "input": ...}`` or a bare
-  JSON string: one user turn (the assistant turn comes from the target when regenerating);
-* ``{"input_ids": [...], "loss_mask": [...]}``: already tokenized rows, passed through.
+==============================  ==============================================================
+``builtin:<name>[:<n>]``         an offline set made from Python's stdlib (:mod:`.stdlib_prompts`)
+``hf:<id>[:<config>][:<split>]`` a dataset in the local HF datasets cache (``datasets.load_dataset``
+                                 offline); split default ``train``, or the only split there is
+``<file>.jsonl``                 JSON Lines (``json``, line by line)
+``<file>.json``                  one JSON list of records (or JSON Lines under a .json name)
+``<file>.parquet``               ``pyarrow.parquet``, batch by batch
+``<file>.arrow``                 ``datasets.Dataset.from_file`` (memory-mapped)
+``<dir>`` from ``save_to_disk``  ``datasets.load_from_disk``; a ``DatasetDict`` gives its ``train``
+                                 split (or its only one); ``<dir>/<split>`` picks another
+``<dir>``                        every .json/.jsonl/.parquet/.arrow file under it, sorted by path
+==============================  ==============================================================
 
-Roles are normalised as speculators' ``_normalize_conversation`` does: human/user -> user,
-gpt/assistant -> assistant, system, tool, anything else -> assistant.
+JSON text is read with the stdlib ``json`` module rather than ``datasets``' json builder: that
+builder reports "Expected object or value" without a line, refuses bare-string lines, turns
+``["a", "b"]`` into ``{"text": ...}`` rows, and copies the file into the datasets cache first.
+Columnar inputs (parquet, arrow, ``save_to_disk``, the hub cache) go through pyarrow / datasets.
 
-Built-in sets (``builtin:<name>[:<n>]``), parsed with ``ast`` from the stdlib sources that ship
-with the interpreter (nothing is imported or downloaded). Modules are split once by a hash of
-their name: ``stdlib`` (training) never uses a module the ``eval-code`` / ``eval-prose`` sets use.
+Record shapes, one record a row:
 
-* ``stdlib``: a mix (``STDLIB_MIX``) of code prompts (40 % complete a function from its
-  signature and docstring, 15 % write a function from a description, 15 % explain / review /
-  test / annotate code) and 30 % prose prompts (what a function or class does, explain a module,
-  summarise documentation), drawn in that proportion from shuffled pools.
-* ``stdlib-code``: code prompts only, from the same training modules (``STDLIB_CODE_MIX``: 80 %
-  complete a function, 20 % write one from a description), for a draft meant for code (the
-  main job's short recipe spends its minutes there).
-* ``eval-code``: function-completion prompts from the held-out modules.
-* ``eval-prose``: explanation prompts from the held-out modules.
+* ``{"conversations": [{"from": ..., "value": ...}, ...]}`` (ShareGPT), ``{"messages": [{"role":
+  ..., "content": ...}, ...]}`` (OpenAI / UltraChat), or a bare list of such turns. Content is a
+  string, null (a tool-call turn), or OpenAI text parts ``[{"type": "text", "text": ...}]``;
+* ``{"prompt": ...}`` / ``{"text": ...}`` / ``{"question": ...}`` / ``{"instruction": ...,
+  "input": ...}`` or a bare string: one user turn (plus an assistant turn from ``response`` /
+  ``output`` / ``completion`` / ``answer`` when present);
+* ``{"input_ids": [...], "loss_mask": [...]}``: an already tokenized training row;
+* ``{"prompt_ids": [...]}`` / ``{"token_ids": [...]}``: a tokenized prompt (``bench``).
+
+Roles (case-insensitive) map as speculators' ``_normalize_conversation`` does for the names it
+knows (``ROLES``); a role outside the table is an error here, where speculators would silently
+train it as an assistant turn.
+
+Every record is parsed and checked before anything uses the set (:func:`read_prompts`), so a bad
+input fails before a model loads. Errors are :class:`PromptFileError`: the file, ``record N``
+(1-based; ``(line L)`` for JSON Lines), the field, what was found and what was expected.
+
+Selection: ``shuffle_seed`` orders the records by ``numpy.random.default_rng(seed).permutation``
+(the order ``datasets.Dataset.shuffle(seed=...)`` gives), then ``max_samples`` keeps the first N.
 """
 
 from __future__ import annotations
 
-import ast
+import contextlib
 import json
 import os
-import random
-import sysconfig
-import textwrap
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Union
 
 from specjax.train.errors import PromptFileError
+from specjax.train.stdlib_prompts import builtin_prompts, is_eval_module  # noqa: F401  (public here too)
 
 Conversation = list[dict[str, Any]]
 
 
 @dataclass
 class PretokenizedRow:
+    """A training row given as token ids with its loss mask (``data prepare`` passes it through)."""
+
     input_ids: list[int]
     loss_mask: list[int]
 
 
-# ----------------------------------------------------------------------------- files
+@dataclass
+class PromptIds:
+    """A prompt given as token ids (``bench``: no chat template applied)."""
+
+    ids: list[int]
+
+
+Record = Union[Conversation, PretokenizedRow, PromptIds]
+KINDS = {"conversation": list, "pretokenized": PretokenizedRow, "prompt_ids": PromptIds}
+
+# role as written -> the role the chat template sees (speculators' mapping, plus the usual aliases)
+ROLES = {
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "model": "assistant", "bot": "assistant",
+    "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "system": "system",
+    "tool": "tool", "function": "tool", "ipython": "tool",  # tool / function results
+}
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+_PROMPT_KEYS = ("prompt", "text", "question", "instruction")
+_ANSWER_KEYS = ("response", "output", "completion", "answer")
+
+
+# ----------------------------------------------------------------------------- record shapes
+
+
+class _Loc:
+    """Where a record is: the file, its 1-based number, and (JSON Lines) its line."""
+
+    def __init__(self, path: str, record: int, line: int | None = None):
+        self.path, self.record, self.line = path, record, line
+
+    def fail(self, msg: str, key: str | None = None):
+        at = f"record {self.record}" + (f" (line {self.line})" if self.line else "")
+        raise PromptFileError(f"{at}: {msg}", path=self.path, key=key)
+
+
+def _get(obj: dict, *keys: str):
+    """The first of ``keys`` with a non-null value (arrow inputs fill absent keys with None)."""
+    for k in keys:
+        if obj.get(k) is not None:
+            return k, obj[k]
+    return None, None
+
+
+def _text(content, loc: _Loc, key: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):  # OpenAI content parts
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type", "text") == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            else:
+                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                loc.fail(f"a content part of type {kind!r}; only text parts are supported", key)
+        return "".join(parts)
+    loc.fail(f"content is {_kind(content)}; expected a string, null or a list of text parts", key)
+
+
+def _kind(x) -> str:
+    if isinstance(x, bytes):
+        return f"bytes (not UTF-8 text: {x[:24]!r})"
+    return f"a {type(x).__name__}"
+
+
+def _turns(turns: list, loc: _Loc, field: str) -> Conversation:
+    if not isinstance(turns, list) or not turns:
+        loc.fail(f"'{field}' is {_kind(turns) if turns else 'empty'}; expected a non-empty list of turns", field)
+    out = []
+    for k, t in enumerate(turns):
+        where = f"{field}[{k}]"
+        if not isinstance(t, dict):
+            loc.fail(f"turn {k} is {_kind(t)}; expected an object with role/content (or from/value)", where)
+        rk, role = _get(t, "role", "from")
+        if role is None:
+            loc.fail(f"turn {k} has no 'role' (or 'from') key (found {sorted(x for x in t if t[x] is not None)})",
+                     where)
+        if not isinstance(role, str) or role.strip().lower() not in ROLES:
+            loc.fail(f"turn {k} has {rk} {role!r}; expected one of {', '.join(ROLES)}", f"{where}.{rk}")
+        ck, content = _get(t, "content", "value")
+        turn = {"role": ROLES[role.strip().lower()], "content": _text(content, loc, f"{where}.{ck or 'content'}")}
+        for extra in ("tool_calls", "tool_call_id", "name"):
+            if t.get(extra):
+                turn[extra] = t[extra]
+        _, thinking = _get(t, "thinking", "reasoning_content")
+        if thinking:
+            turn["thinking"] = turn["reasoning_content"] = _text(thinking, loc, f"{where}.thinking")
+        out.append(turn)
+    if not any(t["role"] == "user" and t["content"].strip() for t in out):
+        loc.fail(f"'{field}' has no user turn with text; a prompt needs one", field)
+    return out
+
+
+def _ints(xs, loc: _Loc, key: str, *, allowed: tuple | None = None) -> list[int]:
+    if not isinstance(xs, list) or not xs:
+        loc.fail(f"'{key}' is {_kind(xs) if xs else 'empty'}; expected a non-empty list of integers", key)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs):
+        loc.fail(f"'{key}' holds a non-integer or negative value; expected token ids", key)
+    if allowed is not None and not all(x in allowed for x in xs):
+        loc.fail(f"'{key}' holds values other than {allowed}", key)
+    return [int(x) for x in xs]
+
+
+def parse_record(obj: Any, loc: _Loc) -> Record:
+    """One raw record (a JSON value or an arrow row) -> a :data:`Record`; bad -> PromptFileError."""
+    if isinstance(obj, str):
+        if not obj.strip():
+            loc.fail("an empty prompt string")
+        return [{"role": "user", "content": obj}]
+    if isinstance(obj, list):
+        return _turns(obj, loc, "turns")
+    if not isinstance(obj, dict):
+        loc.fail(f"{_kind(obj)}; expected an object, a list of turns or a string")
+    if _get(obj, "input_ids", "loss_mask")[0]:
+        ids = _ints(obj.get("input_ids"), loc, "input_ids")
+        mask = _ints(obj.get("loss_mask"), loc, "loss_mask", allowed=(0, 1))
+        if len(ids) != len(mask):
+            loc.fail(f"pretokenized row: {len(ids)} input_ids but {len(mask)} loss_mask values; expected equal "
+                     "lengths", "loss_mask")
+        return PretokenizedRow(ids, mask)
+    k, ids = _get(obj, "prompt_ids", "token_ids")
+    if k:
+        return PromptIds(_ints(ids, loc, k))
+    k, turns = _get(obj, "conversations", "messages")
+    if k:
+        return _turns(turns, loc, k)
+    k, text = _get(obj, *_PROMPT_KEYS)
+    if k:
+        text = _text(text, loc, k)
+        if not text.strip():
+            loc.fail(f"'{k}' is empty", k)
+        if k == "instruction":
+            _, extra = _get(obj, "input")
+            if isinstance(extra, str) and extra.strip():
+                text = f"{text}\n\n{extra}"
+        conv = [{"role": "user", "content": text}]
+        ak, answer = _get(obj, *_ANSWER_KEYS)
+        if ak:
+            conv.append({"role": "assistant", "content": _text(answer, loc, ak)})
+        return conv
+    found = sorted(x for x in obj if obj[x] is not None)
+    loc.fail(f"no 'conversations', 'messages', 'prompt', 'text', 'input_ids' or 'prompt_ids' key (found {found[:8]})")
 
 
 def normalize_conversation(turns: list) -> Conversation:
-    """speculators' role / content normalisation (``preprocessing._normalize_conversation``)."""
-    out = []
-    for t in turns:
-        role = t.get("from", t.get("role", ""))
-        content = t.get("value") or t.get("content") or ""
-        if role in ("human", "user"):
-            role = "user"
-        elif role in ("gpt", "assistant"):
-            role = "assistant"
-        elif role not in ("system", "tool"):
-            role = "assistant"
-        turn = {"role": role, "content": content}
-        for k in ("tool_calls", "tool_call_id"):
-            if t.get(k):
-                turn[k] = t[k]
-        thinking = t.get("thinking") or t.get("reasoning_content")
-        if thinking:
-            turn["thinking"] = thinking
-            turn["reasoning_content"] = thinking
-        out.append(turn)
-    return out
+    """speculators' role / content normalisation (``preprocessing._normalize_conversation``),
+    refusing unknown roles (see ``ROLES``)."""
+    return _turns(turns, _Loc("<conversation>", 1), "turns")
 
 
-def _record(obj: Any, where: str) -> Conversation | PretokenizedRow:
-    def bad(msg: str):
-        raise PromptFileError(msg, path=where)
+# ----------------------------------------------------------------------------- readers
 
-    if isinstance(obj, str):
-        if not obj.strip():
-            bad("empty prompt string")
-        return [{"role": "user", "content": obj}]
-    if isinstance(obj, list):
-        turns = obj
-    elif isinstance(obj, dict):
-        if "input_ids" in obj or "loss_mask" in obj:
-            ids, mask = obj.get("input_ids"), obj.get("loss_mask")
-            if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
-                bad("pretokenized rows need equal-length integer lists 'input_ids' and 'loss_mask'")
-            if not all(isinstance(x, int) for x in ids) or not all(x in (0, 1) for x in mask):
-                bad("'input_ids' must be integers and 'loss_mask' 0/1")
-            return PretokenizedRow(ids, mask)
-        turns = obj.get("conversations", obj.get("messages"))
-        if turns is None:
-            for k in ("prompt", "text", "question", "instruction"):
-                if isinstance(obj.get(k), str) and obj[k].strip():
-                    text = obj[k]
-                    if k == "instruction" and isinstance(obj.get("input"), str) and obj["input"].strip():
-                        text = f"{text}\n\n{obj['input']}"
-                    conv = [{"role": "user", "content": text}]
-                    for rk in ("response", "output", "completion", "answer"):
-                        if isinstance(obj.get(rk), str):
-                            conv.append({"role": "assistant", "content": obj[rk]})
-                            break
-                    return conv
-            bad(f"no 'conversations', 'messages', 'prompt' or 'text' key (found {sorted(obj)[:8]})")
+
+@dataclass
+class _Part:
+    """The raw records of one file (or dataset), in order."""
+
+    path: str
+    rows: list
+    lines: list[int] | None = None  # JSON Lines: the line of each record
+
+
+def _not_utf8(raw: bytes, e: UnicodeDecodeError) -> str:
+    return f"byte 0x{raw[e.start]:02x} is not UTF-8 ({e.reason}); expected UTF-8 text"
+
+
+def _read_jsonl(path: Path, raw: bytes) -> _Part:
+    rows, lines = [], []
+    for ln, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        at = f"record {len(rows) + 1} (line {ln})"
+        try:
+            rows.append(json.loads(line.decode("utf-8")))
+        except UnicodeDecodeError as e:
+            raise PromptFileError(f"{at}: column {e.start + 1}: {_not_utf8(line, e)}", path=str(path)) from None
+        except ValueError as e:
+            raise PromptFileError(f"{at}: not valid JSON ({e.msg} at column {e.colno}); expected one JSON record per "
+                                  "line", path=str(path)) from None
+        lines.append(ln)
+    return _Part(str(path), rows, lines)
+
+
+def _read_json_file(path: Path) -> _Part:
+    """.jsonl: JSON Lines. .json: one JSON document (a list of records, or one record), else JSON
+    Lines under a .json name."""
+    raw = path.read_bytes()
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path, raw)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise PromptFileError(f"line {line}, column {col}: {_not_utf8(raw, e)}", path=str(path)) from None
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        if not text.lstrip().startswith("["):
+            return _read_jsonl(path, raw)
+        raise PromptFileError(f"line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); expected one JSON list "
+                              "of records (or JSON Lines)", path=str(path)) from None
+    return _Part(str(path), doc if isinstance(doc, list) else [doc])
+
+
+def _read_parquet(path: Path) -> _Part:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise PromptFileError(f"not a readable parquet file ({e})", path=str(path)) from None
+    rows: list = []
+    for batch in pf.iter_batches(batch_size=4096):
+        try:
+            rows.extend(batch.to_pylist())
+        except UnicodeDecodeError:  # find the row and column: a string column holding non-UTF-8 bytes
+            for i in range(batch.num_rows):
+                for name, col in zip(batch.schema.names, batch.columns):
+                    try:
+                        col[i].as_py()
+                    except UnicodeDecodeError as e:
+                        raise PromptFileError(f"record {len(rows) + i + 1}: column '{name}' holds bytes that are not "
+                                              f"UTF-8 ({e.reason}, byte 0x{e.object[e.start]:02x}); expected UTF-8 "
+                                              "text", path=str(path), key=name) from None
+            raise
+    return _Part(str(path), rows)
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No progress bars or info logs from ``datasets`` while it reads (restored after)."""
+    import datasets
+    from datasets.utils import logging as dlog
+
+    bars = datasets.is_progress_bar_enabled()
+    level = dlog.get_verbosity()
+    datasets.disable_progress_bars()
+    dlog.set_verbosity_error()
+    try:
+        yield datasets
+    finally:
+        dlog.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _one_split(dd, where: str, split: str | None, hint: str):
+    """A split of a ``DatasetDict``: ``split``, else ``train``, else the only one."""
+    names = list(dd.keys())
+    if split is None:
+        split = "train" if "train" in names else (names[0] if len(names) == 1 else None)
+        if split is None:
+            raise PromptFileError(f"holds the splits {names} and none is 'train'; choose one: {hint}", path=where)
+    if split not in names:
+        raise PromptFileError(f"has no split {split!r}; it has {names}", path=where, key="split")
+    return dd[split], split
+
+
+def _read_arrow(path: Path) -> _Part:
+    with _quiet_datasets() as datasets:
+        try:
+            ds = datasets.Dataset.from_file(str(path))
+        except Exception as e:  # noqa: BLE001  (pyarrow raises several kinds for a bad file)
+            raise PromptFileError(f"not a readable arrow file ({type(e).__name__}: {e})", path=str(path)) from None
+        return _Part(str(path), ds.to_list())
+
+
+def is_saved_dataset(d: Path) -> bool:
+    """A directory written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return (d / "dataset_dict.json").is_file() or ((d / "state.json").is_file() and (d / "dataset_info.json").is_file())
+
+
+def _read_saved(d: Path) -> _Part:
+    with _quiet_datasets() as datasets:
+        try:
+            ds = datasets.load_from_disk(str(d))
+        except Exception as e:  # noqa: BLE001
+            raise PromptFileError(f"a save_to_disk directory that datasets cannot load ({type(e).__name__}: {e})",
+                                  path=str(d)) from None
+        where = str(d)
+        if isinstance(ds, datasets.DatasetDict):
+            ds, split = _one_split(ds, where, None, f"give {d}/<split>")
+            where = str(d / split)
+        return _Part(where, ds.to_list())
+
+
+def _read_file(p: Path) -> _Part:
+    try:
+        if p.suffix in (".json", ".jsonl"):
+            return _read_json_file(p)
+        if p.suffix == ".parquet":
+            return _read_parquet(p)
+        if p.suffix == ".arrow":
+            return _read_arrow(p)
+    except OSError as e:
+        raise PromptFileError(f"cannot read ({e.strerror or e})", path=str(p)) from None
+    raise PromptFileError(f"unknown prompt file type {p.suffix or '(no suffix)'!r}; expected "
+                          f"{', '.join(FILE_SUFFIXES)}, a save_to_disk directory or a directory of such files",
+                          path=str(p))
+
+
+def _read_dir(d: Path) -> list[_Part]:
+    if is_saved_dataset(d):
+        return [_read_saved(d)]
+    files = sorted(f for f in d.rglob("*") if f.is_file() and f.suffix in FILE_SUFFIXES
+                   and not any(part.startswith(".") for part in f.relative_to(d).parts))
+    if not files:
+        raise PromptFileError(f"a directory with no prompt files (expected {', '.join(FILE_SUFFIXES)} files or a "
+                              "save_to_disk dataset)", path=str(d))
+    return [_read_file(f) for f in files]
+
+
+def hf_fetch_command(repo_id: str, config: str | None, split: str | None) -> str:
+    args = ", ".join([repr(repo_id)] + ([repr(config)] if config else []) + ([f"split={split!r}"] if split else []))
+    return f"HF_HUB_OFFLINE=0 python -c \"import datasets; datasets.load_dataset({args})\""
+
+
+def parse_hf_spec(spec: str) -> tuple[str, str | None, str | None]:
+    """``hf:<id>[:<config>][:<split>]`` -> (id, config, split); empty fields are None."""
+    parts = spec[len("hf:"):].split(":")
+    if not parts[0] or len(parts) > 3:
+        raise PromptFileError(f"{spec!r}: expected hf:<id>[:<config>][:<split>], e.g. "
+                              "hf:HuggingFaceH4/ultrachat_200k::train_sft", key="prompts")
+    repo_id, config, split = (parts + [None, None])[:3]
+    return repo_id, config or None, split or None
+
+
+def _read_hf(spec: str, cache_dir: str | None) -> _Part:
+    repo_id, config, split = parse_hf_spec(spec)
+    fetch = hf_fetch_command(repo_id, config, split)
+    with _quiet_datasets() as datasets:
+        where = cache_dir or datasets.config.HF_DATASETS_CACHE
+        try:
+            ds = datasets.load_dataset(repo_id, config, cache_dir=cache_dir)
+        except (ConnectionError, FileNotFoundError) as e:
+            why = "HF_HUB_OFFLINE is set" if datasets.config.HF_HUB_OFFLINE else f"{type(e).__name__}: {e}"
+            raise PromptFileError(f"{repo_id} is not in the local HF datasets cache ({where}) and cannot be "
+                                  f"downloaded ({why}). Fetch it once where the hub is reachable: {fetch}",
+                                  path=spec) from None
+        except ValueError as e:  # the cache has the dataset but not this config
+            msg = "; ".join(x.strip() for x in str(e).splitlines() if x.strip())
+            raise PromptFileError(f"{msg} (in {where}); fetch it where the hub is reachable: {fetch}",
+                                  path=spec, key="config") from None
+        ds, split = _one_split(ds, spec, split, f"hf:{repo_id}:{config or ''}:<split>")
+        return _Part(f"hf:{repo_id}:{config or ''}:{split}", ds.to_list())
+
+
+def _read_source(spec: str, *, seed: int, hf_cache_dir: str | None) -> list[_Part]:
+    if spec.startswith("builtin:"):
+        parts = spec.split(":")
+        try:
+            n = int(parts[2]) if len(parts) > 2 and parts[2] else None
+        except ValueError:
+            raise PromptFileError(f"{spec!r}: expected builtin:<name>[:<n>] with an integer n", key="prompts") from None
+        return [_Part(spec, builtin_prompts(parts[1] or "stdlib", n, seed=seed))]
+    if spec.startswith("hf:"):
+        return [_read_hf(spec, hf_cache_dir)]
+    p = Path(spec)
+    if p.is_dir():
+        return _read_dir(p)
+    if p.is_file():
+        return [_read_file(p)]
+    raise PromptFileError("prompt file does not exist (expected a .jsonl/.json/.parquet/.arrow file, a directory, "
+                          "hf:<id>[:<config>][:<split>] or builtin:<name>[:<n>])", path=str(p))
+
+
+# ----------------------------------------------------------------------------- the reader
+
+
+def select(n: int, *, max_samples: int | None = None, shuffle_seed: int | None = None) -> list[int]:
+    """Indices of the records used, in use order: shuffled by ``shuffle_seed`` (datasets'
+    ``Dataset.shuffle`` order), then the first ``max_samples``."""
+    if shuffle_seed is None:
+        order = list(range(n))
     else:
-        bad(f"a JSON {type(obj).__name__}; expected an object, a list of turns or a string")
-    if not isinstance(turns, list) or not turns:
-        bad("'conversations' must be a non-empty list of turns")
-    for k, t in enumerate(turns):
-        if not isinstance(t, dict):
-            bad(f"turn {k} is a JSON {type(t).__name__}; expected an object with role/content")
-        if not any(r in t for r in ("role", "from")):
-            bad(f"turn {k} has no 'role' (or 'from') key")
-        c = t.get("content", t.get("value"))
-        if c is not None and not isinstance(c, str):
-            bad(f"turn {k} content is a {type(c).__name__}; only text content is supported")
-    return normalize_conversation(turns)
+        import numpy as np
+
+        order = [int(i) for i in np.random.default_rng(shuffle_seed).permutation(n)]
+    return order if max_samples is None else order[: int(max_samples)]
+
+
+def read_prompts(spec: str | os.PathLike, *, max_samples: int | None = None, shuffle_seed: int | None = None,
+                 seed: int = 0, accept: Iterable[str] = tuple(KINDS), hf_cache_dir: str | None = None) -> list[Record]:
+    """Read and validate a prompt input (see the module docstring) -> records in use order.
+
+    Every record of the input is parsed and checked (``accept`` names the record kinds the caller
+    can use: ``conversation``, ``pretokenized``, ``prompt_ids``), then the selection applies.
+    ``seed`` drives the built-in sets' own sampling; ``hf_cache_dir`` overrides the datasets cache.
+    Raises :class:`PromptFileError` naming the file, the record and the key."""
+    if max_samples is not None and int(max_samples) < 1:
+        raise PromptFileError(f"max_samples is {max_samples}; expected a positive count (or none for all)",
+                              key="max_samples")
+    accept = tuple(accept)
+    unknown = [a for a in accept if a not in KINDS]
+    if unknown:
+        raise ValueError(f"accept: unknown record kinds {unknown}; expected some of {list(KINDS)}")
+    out: list[Record] = []
+    for part in _read_source(os.fspath(spec), seed=seed, hf_cache_dir=hf_cache_dir):
+        if not part.rows:
+            raise PromptFileError("no records (the input is empty)", path=part.path)
+        for i, obj in enumerate(part.rows):
+            loc = _Loc(part.path, i + 1, part.lines[i] if part.lines else None)
+            rec = parse_record(obj, loc)
+            kind = next(k for k, t in KINDS.items() if isinstance(rec, t))
+            if kind not in accept:
+                loc.fail(f"a {kind} record; this command takes {' or '.join(accept)} records")
+            out.append(rec)
+    return [out[i] for i in select(len(out), max_samples=max_samples, shuffle_seed=shuffle_seed)]
+
+
+def resolve_prompts(spec: str, *, seed: int = 0, max_samples: int | None = None,
+                    shuffle_seed: int | None = None) -> list[Conversation | PretokenizedRow]:
+    """Training records (conversations and pretokenized rows) of a prompt input."""
+    return read_prompts(spec, seed=seed, max_samples=max_samples, shuffle_seed=shuffle_seed,
+                        accept=("conversation", "pretokenized"))
 
 
 def load_prompt_file(path: str | os.PathLike) -> list[Conversation | PretokenizedRow]:
-    """Parse a JSONL (or JSON list) prompt file; a malformed line raises :class:`PromptFileError`
-    naming ``file:line``."""
-    p = Path(path)
-    if not p.is_file():
-        raise PromptFileError("prompt file does not exist", path=str(p))
-    text = p.read_text(encoding="utf-8")
-    out: list = []
-    if p.suffix == ".json":
-        try:
-            doc = json.loads(text)
-        except ValueError as e:
-            raise PromptFileError(f"not valid JSON: {e}", path=str(p)) from None
-        if not isinstance(doc, list):
-            raise PromptFileError("a .json prompt file must hold a list of records", path=str(p))
-        return [_record(o, f"{p}[{i}]") for i, o in enumerate(doc)]
-    for ln, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise PromptFileError(f"line {ln}: not valid JSON ({e.msg} at column {e.colno})", path=str(p)) from None
-        out.append(_record(obj, f"{p}:{ln}"))
-    if not out:
-        raise PromptFileError("no records (the file is empty)", path=str(p))
-    return out
+    """Training records of one prompt file or directory (no built-in or hf: sets)."""
+    p = os.fspath(path)
+    if p.startswith(("builtin:", "hf:")):
+        raise PromptFileError("expected a file or directory path", path=p)
+    return resolve_prompts(p)
 
 
 def write_prompt_file(path: str | os.PathLike, convs: list[Conversation]) -> Path:
@@ -161,244 +501,3 @@ def write_prompt_file(path: str | os.PathLike, convs: list[Conversation]) -> Pat
         for c in convs:
             f.write(json.dumps({"conversations": c}, ensure_ascii=False) + "\n")
     return Path(path)
-
-
-# ----------------------------------------------------------------------------- built-in set
-
-# Pure-Python stdlib modules with real docstrings; packages are walked one level down.
-_MODULES = (
-    "abc argparse ast base64 bisect calendar cmd code codecs collections colorsys configparser contextlib copy csv "
-    "dataclasses datetime decimal difflib dis email enum filecmp fileinput fnmatch fractions ftplib functools "
-    "getopt gettext glob graphlib gzip hashlib heapq hmac html http imaplib inspect ipaddress json keyword "
-    "linecache locale logging lzma mailbox mimetypes netrc numbers operator optparse os pathlib pickle pickletools "
-    "pkgutil platform plistlib poplib pprint profile pstats py_compile pydoc queue quopri random re reprlib "
-    "sched secrets selectors shelve shlex shutil signal smtplib socket socketserver sqlite3 statistics string "
-    "stringprep struct subprocess symtable sysconfig tabnanny tarfile tempfile textwrap threading timeit token "
-    "tokenize tomllib trace traceback tracemalloc types typing unittest urllib uuid warnings wave weakref "
-    "webbrowser xml zipapp zipfile zipimport zoneinfo asyncio concurrent importlib multiprocessing wsgiref xmlrpc "
-    "encodings ctypes curses dbm json sqlite3 venv ensurepip"
-).split()
-
-EVAL_BUCKET = 5  # modules with crc32(name) % EVAL_BUCKET == 0 are held out for evaluation
-
-
-def is_eval_module(name: str) -> bool:
-    return zlib.crc32(name.split(".")[0].encode()) % EVAL_BUCKET == 0
-
-
-@dataclass
-class _Item:
-    module: str
-    qualname: str
-    kind: str  # "function" | "class" | "module"
-    header: str  # "def f(a, b=1) -> int:" (dedented), or "class C(Base):"
-    doc: str
-    source: str
-    body_lines: int
-
-
-def _stdlib_files() -> Iterator[tuple[str, Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    seen = set()
-    for name in dict.fromkeys(_MODULES):
-        f = root / f"{name}.py"
-        pkg = root / name
-        files = []
-        if f.is_file():
-            files.append((name, f))
-        elif pkg.is_dir():
-            for sub in sorted(pkg.glob("*.py")):
-                if sub.name.startswith("_") and sub.name != "__init__.py":
-                    continue
-                mod = name if sub.name == "__init__.py" else f"{name}.{sub.stem}"
-                files.append((mod, sub))
-        for mod, path in files:
-            if path not in seen:
-                seen.add(path)
-                yield mod, path
-
-
-def _items_of(mod: str, path: Path) -> Iterator[_Item]:
-    try:
-        src = path.read_text(encoding="utf-8")
-        tree = ast.parse(src)
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-        return
-    lines = src.splitlines()
-    mdoc = ast.get_docstring(tree)
-    if mdoc and len(mdoc) > 80:
-        yield _Item(mod, mod, "module", "", mdoc, "", 0)
-
-    def header_of(node) -> str:
-        start = node.lineno - 1
-        end = node.body[0].lineno - 1 if node.body else node.lineno
-        head = "\n".join(lines[start:end])
-        # strip everything from the docstring start if the first body stmt is on the header line
-        return textwrap.dedent(head).rstrip()
-
-    def visit(node, prefix: str):
-        for ch in getattr(node, "body", []):
-            if isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                if ch.name.startswith("_") and ch.name != "__init__":
-                    continue
-                doc = ast.get_docstring(ch)
-                qual = f"{prefix}{ch.name}"
-                if doc and len(doc) >= 40:
-                    first = min([ch.lineno] + [d.lineno for d in ch.decorator_list]) - 1
-                    seg = textwrap.dedent("\n".join(lines[first: ch.end_lineno or ch.lineno]))
-                    head = header_of(ch)
-                    if head.endswith(":") and "\n" not in head.strip() or head.count("\n") < 6:
-                        kind = "class" if isinstance(ch, ast.ClassDef) else "function"
-                        yield _Item(mod, qual, kind, head, doc, seg, seg.count("\n") + 1)
-                if isinstance(ch, ast.ClassDef):
-                    yield from visit(ch, f"{qual}.")
-
-    yield from visit(tree, "")
-
-
-def _first_para(doc: str) -> str:
-    return doc.strip().split("\n\n")[0].strip()
-
-
-def _code_block(s: str) -> str:
-    return f"```python\n{s.rstrip()}\n```"
-
-
-def _indent_doc(doc: str, indent: str = "    ") -> str:
-    body = doc.strip().replace('"""', "'''")
-    return textwrap.indent(f'"""{body}\n"""', indent) if "\n" in body else f'{indent}"""{body}"""'
-
-
-_CODE_TEMPLATES = (
-    "Complete the following Python function:\n\n{stub}",
-    "Implement this Python function so that it does what its docstring says.\n\n{stub}",
-    "Write the body of this function:\n\n{stub}",
-    "Finish the implementation:\n\n{stub}",
-    "{stub}\n\nComplete the function above.",
-)
-_WRITE_TEMPLATES = (
-    "Write a Python function `{name}` that does the following: {summary}",
-    "In Python, write a function named `{name}`. {summary}",
-    "Write Python code for `{header}` given this description: {summary}",
-)
-_EXPLAIN_CODE = (
-    "Explain what this Python code does:\n\n{code}",
-    "Walk me through the following code step by step.\n\n{code}",
-    "Review this Python code and suggest improvements.\n\n{code}",
-    "Add type hints and a short docstring to this function.\n\n{code}",
-    "Write a unit test for this function.\n\n{code}",
-)
-_PROSE = (
-    "What does `{full}` do in Python?",
-    "Explain the purpose of `{full}` from the Python standard library, with a short example.",
-    "Summarize the following documentation in plain English:\n\n{doc}",
-    "When would I use `{full}`? Explain briefly.",
-    "Here is the documentation of `{full}`:\n\n{doc}\n\nExplain it to a beginner.",
-)
-_MODULE_PROSE = (
-    "Explain what the Python `{mod}` module is for.",
-    "Give an overview of the `{mod}` module in Python's standard library.",
-    "Summarize this module documentation:\n\n{doc}",
-)
-
-
-def _stub(it: _Item) -> str:
-    return _code_block(f"{it.header}\n{_indent_doc(_first_para(it.doc) if len(it.doc) > 600 else it.doc)}")
-
-
-def _completion(it: _Item, rng: random.Random) -> str | None:
-    if it.kind == "function" and it.header.lstrip().startswith(("def ", "async def ", "@")):
-        return rng.choice(_CODE_TEMPLATES).format(stub=_stub(it))
-    return None
-
-
-def _write(it: _Item, rng: random.Random) -> str | None:
-    if it.kind == "function" and it.header.lstrip().startswith(("def ", "async def ", "@")):
-        name = it.qualname.split(".")[-1]
-        return rng.choice(_WRITE_TEMPLATES).format(name=name, header=it.header.strip().rstrip(":"),
-                                                   summary=_first_para(it.doc))
-    return None
-
-
-def _explain(it: _Item, rng: random.Random) -> str | None:
-    if it.source and 4 <= it.body_lines <= 40:
-        return rng.choice(_EXPLAIN_CODE).format(code=_code_block(it.source))
-    return None
-
-
-def _prose(it: _Item, rng: random.Random) -> str | None:
-    if it.kind == "module":
-        return rng.choice(_MODULE_PROSE).format(mod=it.module, doc=it.doc.strip()[:1200])
-    full = f"{it.module}.{it.qualname}"
-    return rng.choice(_PROSE).format(full=full, doc=it.doc.strip()[:1200])
-
-
-# The training mix: what users send a small chat model (function completion first, then
-# explanations), in these proportions.
-STDLIB_MIX = (("complete", 0.40, _completion), ("write", 0.15, _write), ("explain", 0.15, _explain),
-              ("prose", 0.30, _prose))
-STDLIB_CODE_MIX = (("complete", 0.80, _completion), ("write", 0.20, _write))
-MIXES = {"stdlib": STDLIB_MIX, "stdlib-code": STDLIB_CODE_MIX}
-
-
-def _collect(split: str) -> list[_Item]:
-    items = []
-    for mod, path in _stdlib_files():
-        if is_eval_module(mod) == (split == "train"):
-            continue
-        items.extend(_items_of(mod, path))
-    return items
-
-
-def builtin_prompts(name: str = "stdlib", n: int | None = None, *, seed: int = 0) -> list[Conversation]:
-    """A built-in prompt set (see the module docstring) as single-user-turn conversations,
-    shuffled with ``seed`` and cut to ``n``."""
-    rng = random.Random(seed)
-    if name in MIXES:
-        mix = MIXES[name]
-        # The same code can live in a training and a held-out module (pydoc's HTMLDoc.markup is
-        # copied into xmlrpc.server): drop such items so no evaluation prompt is trained on.
-        held_out = {(it.header, it.doc) for it in _collect("eval")}
-        items = [it for it in _collect("train") if (it.header, it.doc) not in held_out]
-        pools = []
-        for _, w, make in mix:
-            pool = sorted({p for p in (make(it, rng) for it in items) if p})
-            rng.shuffle(pool)
-            pools.append(pool)
-        weights = [w for _, w, _ in mix]
-        prompts, seen = [], set()
-        total = sum(len(p) for p in pools)
-        while len(prompts) < (n if n is not None else total):
-            live = [k for k, p in enumerate(pools) if p]
-            if not live:
-                break
-            k = rng.choices(live, weights=[weights[i] for i in live])[0]
-            p = pools[k].pop()
-            if p not in seen:
-                seen.add(p)
-                prompts.append(p)
-        return [[{"role": "user", "content": p}] for p in prompts]
-    elif name == "eval-code":
-        items = [it for it in _collect("eval") if it.kind == "function"
-                 and it.header.lstrip().startswith(("def ", "async def "))]
-        prompts = [_CODE_TEMPLATES[0].format(stub=_stub(it)) for it in items]
-    elif name == "eval-prose":
-        prompts = [_PROSE[i % 2].format(full=f"{it.module}.{it.qualname}", doc="") if it.kind != "module"
-                   else _MODULE_PROSE[0].format(mod=it.module, doc="") for i, it in enumerate(_collect("eval"))]
-    else:
-        raise PromptFileError(f"unknown built-in prompt set {name!r}; expected one of {sorted(MIXES)}, eval-code or eval-prose",
-                              key="prompts")
-    prompts = sorted(set(prompts))
-    rng.shuffle(prompts)
-    if n is not None:
-        prompts = prompts[: int(n)]
-    return [[{"role": "user", "content": p}] for p in prompts]
-
-
-def resolve_prompts(spec: str, *, seed: int = 0) -> list[Conversation | PretokenizedRow]:
-    """``builtin:<name>[:<n>]`` or a file path."""
-    if spec.startswith("builtin:"):
-        parts = spec.split(":")
-        n = int(parts[2]) if len(parts) > 2 and parts[2] else None
-        return builtin_prompts(parts[1] or "stdlib", n, seed=seed)
-    return load_prompt_file(spec)

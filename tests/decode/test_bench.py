@@ -71,7 +71,7 @@ def test_bad_input(ckpts, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('"ok"\n{"nope": 1}\n')
     code, out = _run(args + ["--prompts", str(bad)])
-    assert code == 2 and "bad.jsonl:2: expected a string or an object" in out
+    assert code == 2 and "bad.jsonl: record 2 (line 2): no 'conversations', 'messages', 'prompt'" in out
     code, out = _run(["bench", "-t", str(ckpts["qwen"]), "-d", str(ckpts["draft"]), "--prompts", str(ckpts["prompts"]),
                       "--no-progress"])
     assert code == 2 and "does not fit target" in out and "LlamaForCausalLM" in out and "Qwen3ForCausalLM" in out

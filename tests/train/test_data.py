@@ -37,16 +37,16 @@ def test_prompt_file_formats_and_line_errors(tmp_path):
     assert recs[4] == [{"role": "user", "content": "do\n\nthis"}, {"role": "assistant", "content": "ok"}]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": "x",,}\n')
-    with pytest.raises(PromptFileError, match=r"bad.jsonl: line 2: not valid JSON"):
+    with pytest.raises(PromptFileError, match=r"bad.jsonl: record 2 \(line 2\): not valid JSON"):
         load_prompt_file(bad)
-    bad.write_text('{"prompt": "ok"}\n{"prompt": "ok"}\n{"foo": 1}\n')
-    with pytest.raises(PromptFileError, match=r"bad.jsonl:3: no 'conversations'"):
+    bad.write_text('{"prompt": "ok"}\n\n{"prompt": "ok"}\n{"foo": 1}\n')
+    with pytest.raises(PromptFileError, match=r"bad.jsonl: record 3 \(line 4\): no 'conversations'"):
         load_prompt_file(bad)
     bad.write_text('{"conversations": [{"content": "x"}]}\n')
-    with pytest.raises(PromptFileError, match=r":1: turn 0 has no 'role'"):
+    with pytest.raises(PromptFileError, match=r"record 1 \(line 1\): turn 0 has no 'role'"):
         load_prompt_file(bad)
     bad.write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
-    with pytest.raises(PromptFileError, match=r":1: pretokenized"):
+    with pytest.raises(PromptFileError, match=r"record 1 \(line 1\): pretokenized row: 2 input_ids but 1"):
         load_prompt_file(bad)
 
 
