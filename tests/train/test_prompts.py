@@ -275,6 +275,13 @@ def test_data_prepare_bad_input_fails_before_the_target_loads(tmp_path, monkeypa
     r = _prepare(["--config", str(recipe)])
     assert r.exit_code == 2 and "bad.jsonl: record 2 (line 2)" in " ".join(r.output.split()), r.output
     assert not out.exists()
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    r = CliRunner().invoke(app, ["train", "--config", str(recipe)])  # the target path does not exist either
+    assert r.exit_code == 2 and "bad.jsonl: record 2 (line 2)" in " ".join(r.output.split()), r.output
+    assert not out.exists() and not (tmp_path / "run").exists()
 
 
 def test_data_prepare_end_to_end_on_each_input_kind(tmp_path, tiny_target_dir):
