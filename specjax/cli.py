@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "specjax.commands.bench",  # bench (target-only vs speculative)
     "specjax.commands.train",  # train
     "specjax.commands.data",  # data prepare / extract / vocab / prompts / inspect
+    "specjax.commands.plan",  # plan (deviceless TPU compile of a recipe's programs)
 ]
 
 for _mod in COMMAND_MODULES:

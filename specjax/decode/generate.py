@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import placement
 from specjax.decode.sampling import GREEDY, SamplingParams, sample
 from specjax.models import panels
 from specjax.models.errors import ContextLengthError
@@ -220,25 +221,37 @@ def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_id
         return (s.step < max_new_tokens - 1) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
-        out = model(s.last[:, None], cache=s.cache, logits_at=jnp.zeros((B,), jnp.int32))
-        k, sub = jax.random.split(s.key)
-        nxt = sample(sub, out.logits, sampling)
-        s = s._replace(step=s.step + 1, cache=_pin(out.cache, mesh), key=k)
-        return emit(s, nxt[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id)
+        return decode_step(model, s, eos_ids, sampling=sampling, pad_id=pad_id, mesh=mesh)
 
     st = jax.lax.while_loop(cond, body, st)
     return st.tokens, st.num_tokens, st.eos_hit
 
 
+def decode_step(model: CausalLM, s: DecodeState, eos_ids, *, sampling: SamplingParams, pad_id: int,
+                mesh=None) -> DecodeState:
+    """One iteration of the generate loop: a target forward of each sequence's last token over
+    its cache, sample, emit. (A program of its own for per-step figures: ``cost_analysis``
+    counts a ``while_loop`` body once.)"""
+    B = s.last.shape[0]
+    out = model(s.last[:, None], cache=s.cache, logits_at=jnp.zeros((B,), jnp.int32))
+    k, sub = jax.random.split(s.key)
+    nxt = sample(sub, out.logits, sampling)
+    s = s._replace(step=s.step + 1, cache=_pin(out.cache, mesh), key=k)
+    return emit(s, nxt[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id",
-                                             "cache_dtype", "packed_len", "prefill_chunk"))
+                                             "cache_dtype", "packed_len", "prefill_chunk", "platform"))
 def _generate_jit(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens, max_len,
-                  sampling, pad_id, cache_dtype, packed_len=None, prefill_chunk=None):
+                  sampling, pad_id, cache_dtype, packed_len=None, prefill_chunk=None, platform=None):
+    """``platform`` (static: part of the trace cache key): where the params live, read by the
+    platform-specific layers (:mod:`specjax.placement`)."""
     TRACE_COUNT["generate"] += 1
-    model = nnx.merge(graphdef, params)
-    return _generate_core(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
-                          max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype,
-                          packed_len=packed_len, prefill_chunk=prefill_chunk)
+    with placement.building_for(platform):
+        model = nnx.merge(graphdef, params)
+        return _generate_core(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
+                              max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype,
+                              packed_len=packed_len, prefill_chunk=prefill_chunk)
 
 
 _SHARDED_JITS: dict = {}
@@ -260,10 +273,11 @@ def sharded_generate_fn(mesh, params):
         def run(params, prompt_ids, prompt_lens, limits, key_data, eos_ids, graphdef, max_new_tokens, max_len,
                 sampling, pad_id, cache_dtype):
             TRACE_COUNT["generate"] += 1
-            model = nnx.merge(graphdef, params)
-            return _generate_core(model, prompt_ids, prompt_lens, limits, jax.random.wrap_key_data(key_data), eos_ids,
-                                  max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling, pad_id=pad_id,
-                                  cache_dtype=cache_dtype, mesh=mesh)
+            with placement.building_for(mesh):
+                model = nnx.merge(graphdef, params)
+                return _generate_core(model, prompt_ids, prompt_lens, limits, jax.random.wrap_key_data(key_data),
+                                      eos_ids, max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
+                                      pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh)
 
         b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
         fn = jax.jit(run, static_argnums=tuple(range(6, 6 + len(_STATIC))), in_shardings=(p_sh, b2, b1, b1, rep, rep),
@@ -284,10 +298,11 @@ def _generate_sharded(mesh, graphdef, params, b: "Batch", *, seed: int, max_new_
     return np.asarray(toks)[:B], np.asarray(num)[:B], np.asarray(eos_hit)[:B]
 
 
-def padded_mesh_inputs(b: "Batch", mesh, seed: int) -> tuple:
+def padded_mesh_inputs(b: "Batch", mesh, seed: int, *, abstract: bool = False) -> tuple:
     """``(ids, lens, limits, key_data, eos)`` on ``mesh``: the batch padded to a multiple of
     data x fsdp (extra rows: length 1, limit 0, so they are done at once) and split over the batch
-    axes; the key and EOS ids replicated."""
+    axes; the key and EOS ids replicated. ``abstract``: the same as ``jax.ShapeDtypeStruct`` with
+    those shardings (shapes and dtypes only; nothing is placed: a deviceless compile)."""
     from specjax import sharding as shd
 
     B = b.ids.shape[0]
@@ -300,8 +315,10 @@ def padded_mesh_inputs(b: "Batch", mesh, seed: int) -> tuple:
     limits[:B] = b.limits
     b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
     key_data = np.asarray(jax.random.key_data(jax.random.key(seed)))
-    return (shd.put(ids, b2), shd.put(lens, b1), shd.put(limits, b1), shd.put(key_data, rep),
-            shd.put(np.asarray(b.eos, np.int32), rep))
+    host = ((ids, b2), (lens, b1), (limits, b1), (key_data, rep), (np.asarray(b.eos, np.int32), rep))
+    if abstract:
+        return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a, sh in host)
+    return tuple(shd.put(a, sh) for a, sh in host)
 
 
 @dataclass
@@ -435,7 +452,8 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
                                        jnp.asarray(b.limits), jax.random.key(seed), jnp.asarray(b.eos, jnp.int32),
                                        max_new_tokens=int(max_new_tokens), max_len=int(max_len), sampling=sampling,
                                        pad_id=b.pad, cache_dtype=cache_dtype_of(model), packed_len=packed_len,
-                                       prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
+                                       prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
+                                       platform=placement.platform_of(params))
     toks, num, eos_hit = np.asarray(toks), np.asarray(num), np.asarray(eos_hit)
     return GenerationResult(tokens=[toks[i, : num[i]].tolist() for i in range(len(prompts))],
                             stop_reasons=["eos" if e else "length" for e in eos_hit], prompt_lengths=b.lens.tolist())

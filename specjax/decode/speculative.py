@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import placement
 from specjax.decode.accept import accept, draft_probs, is_lossy, sample_draft
 from specjax.decode.generate import (
     GREEDY, Completion, DecodeState, GenerationResult, _get_target, _pin, cache_dtype_of, completions, emit,
@@ -285,38 +286,59 @@ def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
     tr = ((jnp.zeros((R, B, k), jnp.int32), jnp.zeros((R, B), jnp.int32), jnp.zeros((R, B), jnp.int32),
            jnp.zeros((R, B), bool)) if trace else ())
     st = SpecState(dec, dcache, prop, q, jnp.zeros((B, k + 1), jnp.int32), tr)
-    ar = jnp.arange(k + 1, dtype=jnp.int32)
 
     def cond(s: SpecState):
         return (s.dec.step < max_new_tokens - 1) & ~jnp.all(s.dec.done)
 
     def body(s: SpecState):
-        d = s.dec
-        nkey, ka, kd = jax.random.split(d.key, 3)
-        L = d.cache.lengths
-        out = target(jnp.concatenate([d.last[:, None], s.prop], axis=1), cache=d.cache, tap_ids=taps)  # verify
-        res = accept(ka, out.logits, s.prop, None if params.greedy_proposals else s.q, params.sampling,
-                     verifier_accept_k=relax[0], accept_tolerance=relax[1])
-        live = ~d.done
-        n_commit = jnp.where(live, res.num_accepted + 1, 0).astype(jnp.int32)
-        d = d._replace(step=d.step + 1, cache=_pin(out.cache.rollback(L + n_commit), mesh), key=nkey)
-        d = emit(d, res.tokens, res.num_accepted + 1, eos_ids, pad_id)
-        hist = s.hist + jnp.where(live[:, None], (ar[None] == res.num_accepted[:, None]).astype(jnp.int32), 0)
-        tr = s.trace
-        if trace:
-            i = s.dec.step
-            tr = (tr[0].at[i].set(s.prop), tr[1].at[i].set(res.num_accepted), tr[2].at[i].set(L), tr[3].at[i].set(live))
-        # hand-off: target rows of the committed tokens (verify positions 0..n), next token of each
-        rows = draft.aux_from_taps(out.aux_hidden_states)
-        prop, q, dcache = _propose(draft, s.dcache, rows, res.tokens, L[:, None] + ar[None], n_commit, params, kd, V)
-        return SpecState(d, _pin(dcache, mesh), prop, q, hist, tr)
+        return spec_round(target, draft, s, eos_ids, relax, params=params, pad_id=pad_id, trace=trace, mesh=mesh)
 
     return jax.lax.while_loop(cond, body, st)
 
 
+def spec_round(target: CausalLM, draft, s: SpecState, eos_ids, relax, *, params: SpecParams, pad_id: int,
+               trace: bool = False, mesh=None) -> SpecState:
+    """One round of the speculative loop: verify, accept, commit, hand-off (the module docstring's
+    steps 1-4). A program of its own for per-round figures (``cost_analysis`` counts a
+    ``while_loop`` body once)."""
+    k = params.k
+    V = target.config.vocab_size
+    taps = tuple(draft.tap_ids(target.config.num_hidden_layers))
+    ar = jnp.arange(k + 1, dtype=jnp.int32)
+    d = s.dec
+    nkey, ka, kd = jax.random.split(d.key, 3)
+    L = d.cache.lengths
+    out = target(jnp.concatenate([d.last[:, None], s.prop], axis=1), cache=d.cache, tap_ids=taps)  # verify
+    res = accept(ka, out.logits, s.prop, None if params.greedy_proposals else s.q, params.sampling,
+                 verifier_accept_k=relax[0], accept_tolerance=relax[1])
+    live = ~d.done
+    n_commit = jnp.where(live, res.num_accepted + 1, 0).astype(jnp.int32)
+    d = d._replace(step=d.step + 1, cache=_pin(out.cache.rollback(L + n_commit), mesh), key=nkey)
+    d = emit(d, res.tokens, res.num_accepted + 1, eos_ids, pad_id)
+    hist = s.hist + jnp.where(live[:, None], (ar[None] == res.num_accepted[:, None]).astype(jnp.int32), 0)
+    tr = s.trace
+    if trace:
+        i = s.dec.step
+        tr = (tr[0].at[i].set(s.prop), tr[1].at[i].set(res.num_accepted), tr[2].at[i].set(L), tr[3].at[i].set(live))
+    # hand-off: target rows of the committed tokens (verify positions 0..n), next token of each
+    rows = draft.aux_from_taps(out.aux_hidden_states)
+    prop, q, dcache = _propose(draft, s.dcache, rows, res.tokens, L[:, None] + ar[None], n_commit, params, kd, V)
+    return SpecState(d, _pin(dcache, mesh), prop, q, hist, tr)
+
+
 def _spec_outputs(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params, max_new_tokens,
                   max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace, mesh=None, packed_len=None,
-                  prefill_chunk=None):
+                  prefill_chunk=None, platform=None):
+    with placement.building_for(mesh if mesh is not None else platform):
+        return _spec_outputs_body(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, params=params,
+                                  max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len, pad_id=pad_id,
+                                  cache_dtype=cache_dtype, draft_dtype=draft_dtype, trace=trace, mesh=mesh,
+                                  packed_len=packed_len, prefill_chunk=prefill_chunk)
+
+
+def _spec_outputs_body(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params,
+                       max_new_tokens, max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace, mesh, packed_len,
+                       prefill_chunk):
     TRACE_COUNT["speculative"] += 1
     pair = nnx.merge(graphdef, state)
     st = spec_core(pair.target, pair.draft, prompt_ids, prompt_lens, limits, key, eos_ids, relax, params=params,
@@ -335,13 +357,16 @@ _STATIC = ("graphdef", "params", "max_new_tokens", "max_len", "draft_len", "pad_
            "trace")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("packed_len", "prefill_chunk"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("packed_len", "prefill_chunk", "platform"))
 def _spec_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params, max_new_tokens,
-              max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace, packed_len=None, prefill_chunk=None):
+              max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace, packed_len=None, prefill_chunk=None,
+              platform=None):
+    """``platform`` (static: part of the trace cache key): where the pair's params live
+    (:mod:`specjax.placement`)."""
     return _spec_outputs(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, params=params,
                          max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len, pad_id=pad_id,
                          cache_dtype=cache_dtype, draft_dtype=draft_dtype, trace=trace, packed_len=packed_len,
-                         prefill_chunk=prefill_chunk)
+                         prefill_chunk=prefill_chunk, platform=platform)
 
 
 _SHARDED_JITS: dict = {}
@@ -384,7 +409,9 @@ def place_pair(target: CausalLM, draft, mesh, *, split=None):
     the ``target`` part by ``TARGET_RULES``, the ``draft`` part by ``DRAFT_RULES`` (a self draft's
     layers shared with the target are one variable, under whichever part nnx files it; the
     decoder rules of both tables agree). A part whose every leaf already lives on ``mesh`` keeps
-    its own shardings; any other part is placed as a copy (the modules are not touched). Raises
+    its own shardings; any other part is placed as a copy (the modules are not touched). Abstract
+    leaves (``jax.ShapeDtypeStruct``: modules built with ``nnx.eval_shape``) come back abstract,
+    carrying the shardings the rules give (a deviceless compile; nothing is placed). Raises
     ``specjax.sharding`` rule errors naming the parameter and the mesh."""
     from jax.sharding import NamedSharding
 
@@ -403,7 +430,11 @@ def place_pair(target: CausalLM, draft, mesh, *, split=None):
                for x in xs.values()):
             continue
         rules = getattr(shd, _PAIR_RULES.get(head, "DRAFT_RULES"))
-        placed = jax.device_put(xs, shd.named_shardings(xs, rules, mesh))
+        shardings = shd.named_shardings(xs, rules, mesh)
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in xs.values()):
+            placed = shd.abstract_with_shardings(xs, shardings)
+        else:
+            placed = jax.device_put(xs, shardings)
         for rest, (i, _) in items.items():
             leaves[i] = placed[rest]
     return graphdef, jax.tree_util.tree_unflatten(treedef, leaves)
@@ -483,7 +514,8 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
                     max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len), pad_id=b.pad,
                     cache_dtype=cache_dtype_of(target), draft_dtype=ddtype, trace=bool(trace),
                     packed_len=resolve_packed_len(packed_len, b),
-                    prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
+                    prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
+                    platform=placement.platform_of(state))
     return _result(jax.device_get(out), b, len(prompts), kk, vak, tol, trace)
 
 
@@ -528,8 +560,8 @@ def _draft_dtype(module):
         m = getattr(module, name, None)
         for attr in ("embedding", "kernel"):
             v = getattr(m, attr, None) if m is not None else None
-            if v is not None:
-                return jnp.dtype(v[...].dtype)
+            if v is not None:  # the dtype alone: arrays and abstract (eval_shape) params alike
+                return jnp.dtype(v.get_value().dtype)
     return jnp.dtype(jnp.float32)
 
 

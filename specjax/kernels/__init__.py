@@ -118,13 +118,15 @@ def load() -> bool:
         return ok
 
 
-def available() -> bool:
-    """The kernels are enabled (``SPECJAX_CPU_KERNELS`` not 0), JAX runs on the CPU, and they built."""
+def available(platform: str | None = None) -> bool:
+    """The kernels are enabled (``SPECJAX_CPU_KERNELS`` not 0), the program is built for the CPU
+    (``platform``, default :func:`specjax.placement.platform`: the devices of the program being
+    traced, not the process's default backend) and they built."""
     if disabled_by_env():
         return False
-    import jax
+    from specjax import placement
 
-    return jax.default_backend() == "cpu" and load()
+    return (platform or placement.platform()) == "cpu" and load()
 
 
 def status() -> dict:

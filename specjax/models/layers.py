@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax import placement
 from specjax.models import panels
 from specjax.models.rope import apply_rope
 
@@ -45,9 +46,11 @@ def dot_tn(a, b):
     product is computed as ``(b^T a)^T`` instead, which transposes ``b`` and the small result
     rather than ``a`` (the optimisation barrier keeps XLA from folding the output transpose into
     the dot, which the CPU backend then cannot run in bf16); the cheaper of the two is taken by
-    the elements moved: ``M K`` against ``M N + K N``. Other backends take the contraction as it is."""
+    the elements moved: ``M K`` against ``M N + K N``. Other backends take the contraction as it is.
+    The backend is the one the program is built for (:func:`specjax.placement.platform`), so a
+    program compiled for a TPU from a CPU host takes the plain contraction."""
     nb = a.ndim - 2
-    if jnp.dtype(a.dtype) not in LOW_PRECISION or jax.default_backend() != "cpu":
+    if jnp.dtype(a.dtype) not in LOW_PRECISION or not placement.is_cpu():
         return _dot(a, b, nb, nb, nb)
     (M, K), N = a.shape[-2:], b.shape[-1]
     pad = 16 - M % 16

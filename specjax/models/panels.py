@@ -274,8 +274,11 @@ def _single_device(x) -> bool:
 
 def decode_state(root, state):
     """``state`` (``nnx.split(root)[1]``) with the :func:`packable` params in panel layout, for
-    a single-device CPU decode when the kernels are available; else ``state`` unchanged."""
-    if not kernels.available():
+    a single-device CPU decode when the kernels are available; else ``state`` unchanged (params
+    on another platform, e.g. a TPU, whatever the process's default backend is)."""
+    from specjax import placement
+
+    if not kernels.available(placement.platform_of(state)):
         return state
     paths = packable(root)
     if not paths:

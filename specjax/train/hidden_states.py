@@ -169,30 +169,59 @@ def plan_batches(lengths: Sequence[int], *, max_tokens: int, bucket: int = 64, m
     return batches
 
 
-def make_tap_fn(model, layer_ids: Sequence[int], out_dtype, mesh=None):
+class TapFn:
+    """The jitted tap program of :func:`make_tap_fn`: ``fn(ids)`` runs it on host ids [B, T];
+    ``fn.lower(ids)`` lowers it for ``ids`` given as a ``jax.ShapeDtypeStruct`` (or an array) with
+    the params as they are (arrays or abstract leaves with shardings: a deviceless compile)."""
+
+    def __init__(self, jitted, state, ids_sharding):
+        self.jitted, self.state, self.ids_sharding = jitted, state, ids_sharding
+
+    def _ids(self, ids):
+        if isinstance(ids, jax.ShapeDtypeStruct):
+            return ids if ids.sharding is not None or self.ids_sharding is None else jax.ShapeDtypeStruct(
+                ids.shape, ids.dtype, sharding=self.ids_sharding)
+        if self.ids_sharding is None:
+            return jnp.asarray(ids)
+        import specjax.sharding as shd
+
+        return shd.put(np.asarray(ids), self.ids_sharding)
+
+    def __call__(self, ids):
+        return self.jitted(self.state, self._ids(ids))
+
+    def lower(self, ids):
+        return self.jitted.lower(self.state, self._ids(ids))
+
+
+def make_tap_fn(model, layer_ids: Sequence[int], out_dtype, mesh=None) -> TapFn:
     """jitted ``ids [B, T] -> hidden [B, T, L, H]`` (right padding needs no mask: causal).
 
     With ``mesh`` the jit has explicit shardings: params as placed, ids split over
     ``("data", "fsdp")`` (B must be a multiple of ``data x fsdp``), output replicated (process 0
-    writes it). ``ids`` is then a host array every process passes in full."""
+    writes it). ``ids`` is then a host array every process passes in full. ``model`` may be
+    abstract (params ``ShapeDtypeStruct`` with shardings): then only :meth:`TapFn.lower` applies."""
     from flax import nnx
+
+    from specjax import placement
 
     graphdef, state = nnx.split(model)
     taps = tuple(int(i) for i in layer_ids)
+    where = mesh if mesh is not None else placement.platform_of(state)
 
     def run(state, ids):
-        m = nnx.merge(graphdef, state)
-        out = m(ids, tap_ids=taps, return_logits=False)
-        return jnp.stack(out.aux_hidden_states, axis=2).astype(out_dtype)
+        with placement.building_for(where):
+            m = nnx.merge(graphdef, state)
+            out = m(ids, tap_ids=taps, return_logits=False)
+            return jnp.stack(out.aux_hidden_states, axis=2).astype(out_dtype)
 
     if mesh is None:
-        fn = jax.jit(run)
-        return lambda ids: fn(state, jnp.asarray(ids))
+        return TapFn(jax.jit(run), state, None)
     import specjax.sharding as shd
 
     ids_sh = shd.batch_sharding(mesh, 2)
     fn = jax.jit(run, in_shardings=(shd.shardings_of(state), ids_sh), out_shardings=shd.replicated(mesh))
-    return lambda ids: fn(state, shd.put(np.asarray(ids), ids_sh))
+    return TapFn(fn, state, ids_sh)
 
 
 def extract_hidden_states(model, rows: TokenRows, data_dir: str | os.PathLike, *, aux_layer_ids: Sequence[int],

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from specjax import placement
 from specjax.train.cod import cod_sample
 from specjax.train.config import TrainConfig
 from specjax.train.fast_eagle3 import ttt_forward
@@ -26,7 +27,17 @@ TRACE_COUNT = {"train_step": 0, "eval_step": 0}  # every trace in this process (
 
 
 def _cast(tree, dtype):
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    """Floating leaves as ``dtype``. Abstract leaves (``jax.ShapeDtypeStruct``, e.g. for a deviceless
+    compile) become abstract leaves of the new dtype with the same sharding: decided from the
+    dtypes alone, nothing is materialised."""
+    def one(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(one, tree)
 
 
 @dataclass
@@ -34,6 +45,14 @@ class StepFns:
     train_step: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics)
     eval_step: Callable  # (params, batch) -> metrics
     traces: dict  # {"train_step": n, "eval_step": n}: compiles of these two functions
+    train_jit: Callable | None = None  # the jitted (params, opt_state, batch, frozen) -> ...: .lower() it
+    eval_jit: Callable | None = None  # the jitted (params, batch, frozen) -> metrics
+    frozen: object = None  # the frozen tensors in the compute dtype, as the steps pass them
+
+    def lower_train(self, params, opt_state, batch):
+        """``train_jit.lower`` with the frozen tensors the step passes (arrays or abstract
+        ``ShapeDtypeStruct`` leaves with shardings: a deviceless compile)."""
+        return self.train_jit.lower(params, opt_state, batch, self.frozen)
 
 
 def _key(rng):
@@ -92,7 +111,15 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> Ste
 
     traces = {"train_step": 0, "eval_step": 0}
 
+    # where the steps run: the mesh's devices (a TPU mesh compiled from a CPU host included), else
+    # the device the params live on; read at trace time by the platform-specific layers
+    where = shardings.mesh if shardings is not None else placement.platform_of(frozen)
+
     def _train(params, opt_state, batch, frozen):
+        with placement.building_for(where):
+            return _train_body(params, opt_state, batch, frozen)
+
+    def _train_body(params, opt_state, batch, frozen):
         TRACE_COUNT["train_step"] += 1
         traces["train_step"] += 1
         (loss, metrics), grads = jax.value_and_grad(forward, has_aux=True)(params, frozen, batch)
@@ -102,6 +129,10 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> Ste
         return params, opt_state, metrics
 
     def _eval(params, batch, frozen):
+        with placement.building_for(where):
+            return _eval_body(params, batch, frozen)
+
+    def _eval_body(params, batch, frozen):
         TRACE_COUNT["eval_step"] += 1
         traces["eval_step"] += 1
         if batch["input_ids"].shape[0] == 1:
@@ -128,7 +159,8 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> Ste
     # The frozen tensors (the verifier's embedding and head) never change: cast them to the compute
     # dtype once here, not inside every step (a [V, H] convert per step otherwise).
     frozen_c = _cast(frozen, cdt)
-    return StepFns(lambda p, o, b: train_j(p, o, b, frozen_c), lambda p, b: eval_j(p, b, frozen_c), traces)
+    return StepFns(lambda p, o, b: train_j(p, o, b, frozen_c), lambda p, b: eval_j(p, b, frozen_c), traces,
+                   train_jit=train_j, eval_jit=eval_j, frozen=frozen_c)
 
 
 def device_batch(b: dict, rng=None) -> dict:

@@ -1,0 +1,303 @@
+"""A recipe's programs over abstract params, ready to lower for a mesh: the project's own jitted
+entry points (``make_step_fns``, ``make_tap_fn``, ``sharded_generate_fn``, ``sharded_spec_fn``)
+and, for the two loops, one loop iteration as a program of its own (``decode_step``,
+``spec_round``: ``cost_analysis`` counts a ``while_loop`` body once).
+
+Params are never materialised: modules are built with ``nnx.eval_shape`` and every leaf becomes a
+``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` the project's rules give it
+(``TARGET_RULES`` / ``DRAFT_RULES`` / ``OPTIMIZER_RULES``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import specjax.sharding as shd
+from specjax import placement
+from specjax.models.config import TargetConfig
+
+PROGRAMS = ("train", "extract", "generate", "speculate")
+
+
+class PlanError(ValueError):
+    """A plan request that cannot be built (a batch that does not divide the mesh, an unknown program)."""
+
+
+@dataclass
+class Program:
+    """One program to compile: ``lower()`` the whole program; ``step_lower()`` one loop iteration
+    (loops only) for per-step figures. ``tokens``: tokens one call (or one step) processes;
+    ``resident``: bytes per chip a run holds outside this program (train: the target ``Run``
+    keeps loaded, the frozen tensors' float32 master copy)."""
+
+    name: str
+    shape: dict
+    lower: Callable
+    step_lower: Callable | None = None
+    tokens: int = 0
+    resident_bytes: int = 0
+    notes: list = field(default_factory=list)
+
+
+@dataclass
+class PlanInputs:
+    cfg: object  # specjax.train.config.TrainConfig
+    target: TargetConfig
+    mesh: jax.sharding.Mesh
+    batch: int | None = None  # rows (train/extract) or sequences (decode); default per program
+    seq: int | None = None  # train/extract row length (default data.total_seq_len)
+    prompt_len: int = 2048  # decode: padded prompt length
+    new_tokens: int = 2048  # decode: max_new_tokens (cache = prompt_len + new_tokens slots)
+    k: int | None = None  # speculate: draft tokens per round (default loss.ttt_steps)
+    target_dtype: object = jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------- abstract state
+
+
+def per_chip_bytes(tree) -> int:
+    """Bytes one device holds of ``tree``'s leaves (``ShapeDtypeStruct`` or arrays with shardings):
+    the largest per-device sum, so an uneven layout counts its fullest device."""
+    per_dev: dict = {}
+    for x in jax.tree.leaves(tree):
+        sh = x.sharding
+        shard = sh.shard_shape(tuple(x.shape))
+        nbytes = math.prod(shard) * jnp.dtype(x.dtype).itemsize
+        for d in sh.device_set:
+            per_dev[d] = per_dev.get(d, 0) + nbytes
+    return max(per_dev.values(), default=0)
+
+
+def _abstract(module, rules, mesh):
+    """``(graphdef, state)`` of an ``nnx.eval_shape`` module, leaves sharded by ``rules`` on ``mesh``."""
+    graphdef, state = nnx.split(module)
+    return graphdef, shd.abstract_with_shardings(state, shd.named_shardings(state, rules, mesh))
+
+
+def abstract_target(p: PlanInputs):
+    from specjax.models.target import build_model
+
+    model = build_model(p.target, param_dtype=p.target_dtype, abstract=True)
+    graphdef, state = _abstract(model, shd.TARGET_RULES, p.mesh)
+    return nnx.merge(graphdef, state)
+
+
+def _target_stub(p: PlanInputs):
+    """What the draft-config translation reads of a loaded target (config, tokenizer, source)."""
+    return SimpleNamespace(config=p.target, tokenizer=None, source=str(p.cfg.target), model=None)
+
+
+def _aux_ids(p: PlanInputs) -> list[int]:
+    from specjax.train.hidden_states import default_aux_layer_ids
+
+    d = p.cfg.draft
+    return list(d.target_layer_ids) if d.target_layer_ids else default_aux_layer_ids(p.target.num_hidden_layers)
+
+
+def draft_config(p: PlanInputs):
+    import bridge
+    from specjax.train.draft_doc import draft_config_doc
+
+    V = p.target.vocab_size
+    Vd = p.cfg.draft.draft_vocab_size or V
+    doc = draft_config_doc(p.cfg, _target_stub(p), aux_layer_ids=_aux_ids(p), draft_vocab_size=Vd)
+    return bridge.parse_config(doc)
+
+
+def _rows(p: PlanInputs, what: str) -> int:
+    div = shd.batch_divisor(p.mesh)
+    n = div if p.batch is None else int(p.batch)
+    if n < 1 or n % div:
+        raise PlanError(f"{what}: batch {n} is not a positive multiple of data x fsdp = {div} on "
+                        f"{shd.describe(p.mesh)}")
+    return n
+
+
+def _batch_or_rep(mesh, x):
+    """Batch sharding for a ``[B, ...]`` leaf whose B divides data x fsdp, else replicated."""
+    if x.ndim >= 1 and x.shape[0] % shd.batch_divisor(mesh) == 0:
+        return shd.batch_sharding(mesh, x.ndim)
+    return shd.replicated(mesh)
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def train_program(p: PlanInputs) -> Program:
+    """The recipe's train step (``make_step_fns`` with ``step_shardings``, as ``Run`` builds it) for
+    ``N`` packed rows of ``seq`` tokens."""
+    from specjax.models.drafts.load import build_draft
+    from specjax.train.optim import build_optimizer
+    from specjax.train.sharded import BATCH_NDIM, step_shardings
+    from specjax.train.step import make_step_fns
+    from specjax.train.trainer import trainable_filter_for
+
+    cfg, mesh = p.cfg, p.mesh
+    dcfg = draft_config(p)
+    model = build_draft(dcfg, param_dtype=jnp.float32, abstract=True)
+    graphdef, params, frozen = nnx.split(model, nnx.All(nnx.Param, trainable_filter_for(cfg.speculator_type)), ...)
+    o = cfg.optimizer
+    tx, _ = build_optimizer(params, optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay, muon_lr=o.muon_lr,
+                            muon_momentum=o.muon_momentum, muon_weight_decay=o.muon_weight_decay,
+                            muon_ns_steps=o.muon_ns_steps, muon_adjust_lr_fn=o.muon_adjust_lr_fn,
+                            scheduler_type=cfg.scheduler.scheduler_type, warmup=10, total=1000,
+                            num_cycles=cfg.scheduler.scheduler_num_cosine_cycles, max_grad_norm=o.max_grad_norm)
+    sh = step_shardings(params, frozen, tx, mesh)
+    params_a = shd.abstract_with_shardings(params, sh.params)
+    frozen_a = shd.abstract_with_shardings(frozen, sh.frozen)
+    opt_a = shd.abstract_with_shardings(jax.eval_shape(tx.init, params), sh.opt_state)
+    fns = make_step_fns(graphdef, frozen_a, tx, cfg, sh)
+
+    N, T = _rows(p, "train"), int(p.seq or cfg.data.total_seq_len)
+    H, A = p.target.hidden_size, len(_aux_ids(p))
+    hs_dt = jnp.dtype(cfg.data.hidden_states_dtype)
+    shapes = {"hidden_states": ((N, T, A * H), hs_dt), "verifier_last_hidden_states": ((N, T, H), hs_dt)}
+    batch = {}
+    for key, nd in BATCH_NDIM.items():
+        shape, dt = shapes.get(key, ((N, T), jnp.int32))
+        assert len(shape) == nd
+        batch[key] = jax.ShapeDtypeStruct(shape, dt, sharding=sh.batch[key])
+    batch["rng"] = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sh.batch["rng"])
+
+    # Run (specjax/train/trainer.py) loads the target onto the mesh by TARGET_RULES and keeps it, and
+    # keeps the frozen tensors in float32 beside the compute-dtype copy the step takes
+    target_state = nnx.state(abstract_target(p))
+    resident = per_chip_bytes(target_state) + per_chip_bytes(frozen_a)
+    return Program("train", {"rows": N, "seq": T, "algorithm": cfg.speculator_type,
+                             "optimizer": o.optimizer}, lambda: fns.lower_train(params_a, opt_a, batch),
+                   tokens=N * T, resident_bytes=resident,
+                   notes=["resident: the target Run keeps loaded (TARGET_RULES) + float32 frozen tensors"])
+
+
+# ----------------------------------------------------------------------------- extract
+
+
+def extract_program(p: PlanInputs) -> Program:
+    """Hidden-state extraction (``make_tap_fn``) of ``B`` rows of ``seq`` tokens."""
+    from specjax.train.hidden_states import DTYPES, cache_layer_ids, make_tap_fn
+
+    n = p.target.num_hidden_layers
+    layer_ids = cache_layer_ids(_aux_ids(p), n)
+    B, T = _rows(p, "extract"), int(p.seq or p.cfg.data.total_seq_len)
+    fn = make_tap_fn(abstract_target(p), layer_ids, jnp.dtype(DTYPES[p.cfg.data.hidden_states_dtype]), p.mesh)
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    return Program("extract", {"rows": B, "seq": T, "layers": len(layer_ids)}, lambda: fn.lower(ids), tokens=B * T)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def _decode_batch(p: PlanInputs):
+    from specjax.decode.generate import prepare
+
+    B = 1 if p.batch is None else int(p.batch)
+    if B < 1:
+        raise PlanError(f"decode batch {B}: expected >= 1")
+    P = int(p.prompt_len)
+    b = prepare(p.target, [[0] * P] * B, max_new_tokens=int(p.new_tokens), prompt_bucket=32)
+    max_len = min(b.padded_len + int(p.new_tokens), max(b.context_length, b.padded_len))
+    return b, max_len
+
+
+def _decode_state(p: PlanInputs, Bp: int, max_len: int, cache_dtype):
+    """Abstract :class:`specjax.decode.generate.DecodeState` of ``Bp`` rows, sharded as the loop
+    pins it (cache: batch x heads; rows on the batch axes when they divide; scalars replicated)."""
+    from specjax.decode.generate import DecodeState
+    from specjax.models.target import KVCache
+
+    mesh = p.mesh
+    cache = jax.eval_shape(lambda: KVCache.init(p.target, Bp, max_len, cache_dtype))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    st = DecodeState(step=i32(), tokens=i32(Bp, int(p.new_tokens)), num_tokens=i32(Bp), limit=i32(Bp),
+                     done=jax.ShapeDtypeStruct((Bp,), bool), eos_hit=jax.ShapeDtypeStruct((Bp,), bool), last=i32(Bp),
+                     cache=cache, key=jax.eval_shape(lambda: jax.random.key(0)))
+    sh = st._replace(**{f: _batch_or_rep(mesh, getattr(st, f)) for f in DecodeState._fields if f not in ("cache",)},
+                     cache=shd.kv_cache_sharding(mesh, cache))
+    return shd.abstract_with_shardings(st, sh), sh
+
+
+def generate_program(p: PlanInputs) -> Program:
+    """The generate loop (``sharded_generate_fn``: prefill + ``while_loop``) and one decode step."""
+    from specjax.decode.generate import GREEDY, decode_step, padded_mesh_inputs, sharded_generate_fn
+
+    mesh = p.mesh
+    target = abstract_target(p)
+    graphdef, params = nnx.split(target)
+    b, max_len = _decode_batch(p)
+    cdt = jnp.dtype(p.target_dtype)
+    inputs = padded_mesh_inputs(b, mesh, 0, abstract=True)
+    fn = sharded_generate_fn(mesh, params)
+    full = lambda: fn.lower(params, *inputs, graphdef, int(p.new_tokens), int(max_len), GREEDY, b.pad, cdt)  # noqa: E731
+
+    Bp = inputs[0].shape[0]
+    st, st_sh = _decode_state(p, Bp, max_len, cdt)
+    rep = shd.replicated(mesh)
+
+    def step(params, s, eos):
+        with placement.building_for(mesh):
+            return decode_step(nnx.merge(graphdef, params), s, eos, sampling=GREEDY, pad_id=b.pad, mesh=mesh)
+
+    step_j = jax.jit(step, in_shardings=(shd.shardings_of(params), st_sh, rep), out_shardings=st_sh,
+                     donate_argnums=(1,))
+    return Program("generate", {"batch": int(b.ids.shape[0]), "prompt": b.padded_len, "new_tokens": int(p.new_tokens),
+                                "cache_slots": int(max_len)}, full,
+                   step_lower=lambda: step_j.lower(params, st, inputs[4]), tokens=int(b.ids.shape[0]))
+
+
+def speculate_program(p: PlanInputs) -> Program:
+    """The speculative loop (``sharded_spec_fn``) with the recipe's draft, and one round."""
+    from specjax.decode.speculative import (
+        GREEDY, SpecParams, SpecState, _draft_dtype, place_pair, sharded_spec_fn, spec_round, split_pair,
+    )
+    from specjax.decode.generate import padded_mesh_inputs
+    from specjax.models.drafts.load import build_draft
+
+    mesh = p.mesh
+    target = abstract_target(p)
+    draft = build_draft(draft_config(p), param_dtype=p.target_dtype, abstract=True, verifier_heads=False)
+    graphdef, state = place_pair(target, draft, mesh, split=split_pair(target, draft))
+    k = int(p.k or p.cfg.loss.ttt_steps)
+    params = SpecParams(k=k)
+    b, _ = _decode_batch(p)
+    P, new = b.padded_len, int(p.new_tokens)
+    max_len, draft_len = P + new, P + new + 2 * (k + 1)
+    cdt, ddt = jnp.dtype(p.target_dtype), _draft_dtype(draft)
+    rep = shd.replicated(mesh)
+    inputs = padded_mesh_inputs(b, mesh, 0, abstract=True)
+    relax = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=rep)
+    fn = sharded_spec_fn(mesh, state)
+    full = lambda: fn.lower(state, *inputs, relax, graphdef, params, new, max_len, draft_len, b.pad, cdt, ddt,  # noqa: E731
+                            False)
+
+    Bp = inputs[0].shape[0]
+    dec, dec_sh = _decode_state(p, Bp, max_len, cdt)
+    dcache = jax.eval_shape(lambda: draft.init_cache(Bp, draft_len, ddt))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    st = SpecState(dec, dcache, i32(Bp, k), jax.ShapeDtypeStruct((1,), jnp.float32), i32(Bp, k + 1), ())
+    st_sh = SpecState(dec_sh, shd.kv_cache_sharding(mesh, dcache), _batch_or_rep(mesh, st.prop), rep,
+                      _batch_or_rep(mesh, st.hist), ())
+    st = shd.abstract_with_shardings(st, st_sh)
+
+    def round_(state, s, eos, relax):
+        with placement.building_for(mesh):
+            pair = nnx.merge(graphdef, state)
+            return spec_round(pair.target, pair.draft, s, eos, relax, params=params, pad_id=b.pad, mesh=mesh)
+
+    round_j = jax.jit(round_, in_shardings=(shd.shardings_of(state), st_sh, rep, rep), out_shardings=st_sh,
+                      donate_argnums=(1,))
+    B = int(b.ids.shape[0])
+    return Program("speculate", {"batch": B, "prompt": P, "new_tokens": new, "k": k, "cache_slots": max_len,
+                                 "draft": p.cfg.speculator_type}, full,
+                   step_lower=lambda: round_j.lower(state, st, inputs[4], relax), tokens=B * (k + 1),
+                   notes=[f"tokens per round at full acceptance: batch x (k + 1) = {B * (k + 1)}"])
+
+
+BUILDERS = {"train": train_program, "extract": extract_program, "generate": generate_program,
+            "speculate": speculate_program}

@@ -1,0 +1,165 @@
+"""Compile a :class:`specjax.plan.programs.Program` and read what the TPU compiler says about it:
+per-chip memory (``memory_analysis``), flops and bytes (``cost_analysis``), collectives and
+custom calls (``as_text``), and the roofline against the chip's figures.
+
+Definitions (per chip):
+
+* ``peak`` = arguments + outputs - aliased (donated) + temporaries + generated code; ``total`` =
+  peak + ``resident`` (what the run holds outside the program); ``fits`` = total <= HBM,
+  ``headroom_pct`` = (HBM - total) / HBM.
+* ``roofline`` = max(flops / bf16 peak, bytes / HBM bandwidth), of one step for a loop (its loop
+  body compiled on its own); ``bound`` names the larger term.
+* ``tok_per_s`` = tokens per call (or step) / roofline: a ceiling, not a measurement.
+* ``mfu_ceiling`` = (flops / roofline) / bf16 peak: the fraction of peak the program's own flops
+  can reach at its roofline (1.0 when compute-bound; the rest is bandwidth).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+from specjax.plan.topology import Chip
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_COLL_RE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_CUSTOM_RE = re.compile(r'custom_call_target="([^"]+)"')
+_OOM_RES = (re.compile(r"Used ([\d.]+)([KMGT]?) of [\d.]+[KMGT]? hbm", re.I),  # "Used 20.5G of 15.75G hbm"
+            re.compile(r"memory required for [^(]*\(([\d.]+)([KMGT]?)\) exceeds available HBM", re.I))
+_UNIT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+GIB = 2**30
+
+
+@dataclass
+class ProgramReport:
+    program: str
+    topology: str
+    mesh: str
+    shape: dict
+    compiled: bool
+    error: str | None = None
+    argument_gib: float | None = None
+    output_gib: float | None = None
+    alias_gib: float | None = None
+    temp_gib: float | None = None
+    code_gib: float | None = None
+    resident_gib: float = 0.0
+    peak_gib: float | None = None
+    hbm_gib: float = 0.0
+    fits: bool | None = None
+    headroom_pct: float | None = None
+    flops: float | None = None
+    bytes: float | None = None
+    compute_ms: float | None = None
+    memory_ms: float | None = None
+    roofline_ms: float | None = None
+    bound: str | None = None
+    tokens: int = 0
+    tok_per_s: float | None = None
+    mfu_ceiling: float | None = None
+    per: str = "call"  # "call" (one program run) or "step" (one loop iteration)
+    collectives: dict = field(default_factory=dict)  # in the program the roofline is of
+    loop_collectives: dict | None = None  # the whole loop program's (loops)
+    custom_calls: dict = field(default_factory=dict)
+    compile_s: float = 0.0
+    step_compile_s: float | None = None
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def count_ops(hlo: str) -> tuple[dict, dict]:
+    """``({collective: count}, {custom-call target: count})`` in optimised HLO text."""
+    coll = {c: 0 for c in COLLECTIVES}
+    for m in _COLL_RE.finditer(hlo):
+        coll[m.group(1)] += 1
+    custom: dict = {}
+    for m in _CUSTOM_RE.finditer(hlo):
+        custom[m.group(1)] = custom.get(m.group(1), 0) + 1
+    return coll, custom
+
+
+def _cost(compiled) -> tuple[float, float]:
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    ca = ca or {}
+    return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
+
+
+def _compile(lower) -> tuple[object | None, float, str | None]:
+    t0 = time.perf_counter()
+    try:
+        compiled = lower().compile()
+    except Exception as e:  # the compiler's own message is the report (OOM, an unpartitionable op)
+        return None, time.perf_counter() - t0, f"{type(e).__name__}: {str(e).strip()[:2000]}"
+    return compiled, time.perf_counter() - t0, None
+
+
+def _oom_used(err: str) -> float | None:
+    """GiB the compiler says the program needs, from its out-of-memory message (None: not an OOM;
+    0.0: an OOM without a figure)."""
+    for rx in _OOM_RES:
+        m = rx.search(err or "")
+        if m:
+            return float(m.group(1)) * _UNIT[m.group(2).upper()] / GIB
+    return 0.0 if "RESOURCE_EXHAUSTED" in (err or "") or "out of memory" in (err or "").lower() else None
+
+
+def analyse(prog, *, topology: str, mesh_desc: str, chip: Chip, with_step: bool = True) -> ProgramReport:
+    """Compile ``prog`` (and its loop step) and fill a :class:`ProgramReport`."""
+    rep = ProgramReport(prog.name, topology, mesh_desc, dict(prog.shape), compiled=False, hbm_gib=chip.hbm_gib,
+                        resident_gib=round(prog.resident_bytes / GIB, 3), tokens=int(prog.tokens),
+                        notes=list(prog.notes))
+    compiled, secs, err = _compile(prog.lower)
+    rep.compile_s = round(secs, 2)
+    if compiled is None:
+        rep.error = err
+        used = _oom_used(err)
+        if used is not None:  # the compiler refused for memory: that is a plan answer, not a crash
+            rep.fits = False
+            if used > 0:  # at least this much (the compiler's figure: temporaries, or all it counted)
+                rep.peak_gib = round(used, 3)
+                rep.headroom_pct = round((chip.hbm_gib - used - rep.resident_gib) / chip.hbm_gib * 100, 1)
+            rep.notes.append("the TPU compiler refused the program for memory; peak_gib is its figure")
+        return rep
+    rep.compiled = True
+    m = compiled.memory_analysis()
+    arg, out, alias = m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes
+    temp, code = m.temp_size_in_bytes, m.generated_code_size_in_bytes
+    peak = arg + out - alias + temp + code
+    rep.argument_gib, rep.output_gib, rep.alias_gib = (round(x / GIB, 3) for x in (arg, out, alias))
+    rep.temp_gib, rep.code_gib, rep.peak_gib = (round(x / GIB, 3) for x in (temp, code, peak))
+    total = peak + prog.resident_bytes
+    rep.fits = total <= chip.hbm_bytes
+    rep.headroom_pct = round((chip.hbm_bytes - total) / chip.hbm_bytes * 100, 1)
+    coll, custom = count_ops(compiled.as_text())
+    rep.custom_calls = custom
+    cost_of = compiled
+    if prog.step_lower is not None and with_step:
+        rep.loop_collectives = coll
+        step, ssecs, serr = _compile(prog.step_lower)
+        rep.step_compile_s = round(ssecs, 2)
+        if step is None:
+            rep.error = f"loop step: {serr}"
+            rep.collectives = coll
+            return rep
+        rep.per = "step"
+        cost_of = step
+        coll, scustom = count_ops(step.as_text())
+        for k, v in scustom.items():
+            rep.custom_calls[k] = rep.custom_calls.get(k, 0) + v
+    rep.collectives = coll
+    flops, nbytes = _cost(cost_of)
+    rep.flops, rep.bytes = flops, nbytes
+    tc = flops / (chip.peak_tflops * 1e12)
+    tm = nbytes / (chip.hbm_gbps * 1e9)
+    t = max(tc, tm)
+    rep.compute_ms, rep.memory_ms, rep.roofline_ms = round(tc * 1e3, 4), round(tm * 1e3, 4), round(t * 1e3, 4)
+    rep.bound = "compute" if tc >= tm else "memory"
+    if t > 0:
+        rep.tok_per_s = round(prog.tokens / t, 1)
+        rep.mfu_ceiling = round(tc / t, 3)
+    return rep

@@ -1,0 +1,190 @@
+"""`specjax plan`: the recipe's real programs compiled for TPU topologies on this CPU host
+(libtpu, deviceless), on a scaled-down Llama-3.1-8B (8B widths, 2 layers, short rows), and the
+platform-specific code paths chosen from the devices a program is built for."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")  # quiets libtpu's host checks
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # pytest -n 2: two processes load libtpu
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from specjax.plan import CHIPS, plan  # noqa: E402
+from specjax.train.config import load_recipe  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "configs" / "eagle3-llama3.1-8b-tpu.yaml"
+# 8B widths, 2 target layers (aux taps 0 and 1), one TTT step, AdamW: the programs' structure at a
+# size that compiles in seconds
+SMALL = ["draft.target_layer_ids=[0,1]", "loss.ttt_steps=1", "optimizer.optimizer=adamw", "data.total_seq_len=128"]
+LAYERS = {"num_hidden_layers": 2}
+KEYS = {"program", "topology", "compiled", "peak_gib", "hbm_gib", "fits", "flops", "bytes", "roofline_ms", "bound",
+        "tok_per_s", "compile_s"}
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_recipe(RECIPE, SMALL)
+
+
+@pytest.fixture(scope="module")
+def v5e(cfg):
+    rows = plan(cfg, "v5e:2x4", programs="train,extract,generate,speculate", target_overrides=LAYERS,
+                prompt_len=64, new_tokens=32)
+    return {r.program: r for r in rows}
+
+
+def _check_row(r, chip):
+    assert r.compiled, r.error
+    assert r.error is None
+    assert 0 < r.peak_gib < r.hbm_gib == chip.hbm_gib
+    assert r.fits and 0 < r.headroom_pct < 100
+    assert r.flops > 0 and r.bytes > 0
+    tc, tm = r.flops / (chip.peak_tflops * 1e12), r.bytes / (chip.hbm_gbps * 1e9)
+    assert r.bound == ("compute" if tc >= tm else "memory")
+    assert r.roofline_ms == pytest.approx(max(tc, tm) * 1e3, rel=1e-3)
+    assert r.tok_per_s == pytest.approx(r.tokens / max(tc, tm), rel=1e-3)
+    assert 0 < r.mfu_ceiling <= 1
+    assert not [t for t in r.custom_calls if t.startswith("specjax_")]  # no CPU kernel in a TPU program
+    assert KEYS <= set(r.to_dict())
+
+
+def test_v5e_programs_compile_and_fit(v5e):
+    assert set(v5e) == {"train", "extract", "generate", "speculate"}
+    for r in v5e.values():
+        _check_row(r, CHIPS["v5e"])
+        assert r.topology == "v5e:2x4" and "tensor: 8" in r.mesh and "tpu" in r.mesh
+    # the train step carries the run's resident target + f32 frozen tensors; the others hold nothing outside
+    assert v5e["train"].resident_gib > 0 and v5e["train"].tokens == 128
+    assert v5e["extract"].resident_gib == 0
+    # tensor parallel: the steps exchange partial sums
+    assert v5e["train"].collectives["all-reduce"] > 0
+    # loops: the roofline is of one loop iteration, compiled on its own
+    for name in ("generate", "speculate"):
+        r = v5e[name]
+        assert r.per == "step" and r.step_compile_s is not None and r.loop_collectives is not None
+    assert v5e["speculate"].tokens == 2  # B=1 x (k=1 + 1) at full acceptance
+    # one decode step is a bandwidth problem, a training step a compute one
+    assert v5e["generate"].bound == "memory" and v5e["generate"].mfu_ceiling < 0.1
+
+
+def test_batch_far_too_large_does_not_fit(cfg):
+    # 512 rows x 8192 tokens: the replicated [B, T, 3, 4096] bf16 output alone is 96 GiB per chip
+    (r,) = plan(cfg, "v5e:2x4", programs="extract", target_overrides=LAYERS, batch=512, seq=8192)
+    assert r.fits is False and not r.compiled and "memory" in r.error.lower()
+    assert r.peak_gib is not None and r.peak_gib > r.hbm_gib
+    assert r.headroom_pct < 0
+
+
+def test_cli_json_v6e(tmp_path):
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    args = ["plan", "--config", str(RECIPE), "--topology", "v6e:2x4", "--programs", "extract", "--layers", "2",
+            "--seq", "128", "--json"]
+    for s in SMALL:
+        args += ["--set", s]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert isinstance(rows, list) and len(rows) == 1
+    r = rows[0]
+    assert KEYS <= set(r)
+    assert r["program"] == "extract" and r["topology"] == "v6e:2x4" and r["compiled"] and r["fits"]
+    assert r["hbm_gib"] == 32 and 0 < r["peak_gib"] < 32 and r["flops"] > 0 and r["bound"] in ("compute", "memory")
+
+
+def test_cli_bad_topology_is_an_error():
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    res = CliRunner().invoke(app, ["plan", "--config", str(RECIPE), "--topology", "v9x:2x4"])
+    assert res.exit_code == 2
+    assert "v9x:2x4" in res.output and "v5e" in res.output
+
+
+# ----------------------------------------------------------------------------- backend by placement
+
+
+def _tpu_mesh():
+    from specjax.plan import tpu_mesh
+
+    return tpu_mesh("v5e:2x4", "data=1,tensor=-1")
+
+
+def test_dot_tn_follows_the_program_not_the_process():
+    """bf16 ``a^T b`` with ``a`` the larger operand: the CPU path transposes ``b`` and hides the
+    output transpose behind an optimisation barrier; a program built for a TPU mesh from this CPU
+    process takes the plain contraction."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from specjax import placement
+    from specjax.models.layers import dot_tn
+
+    a = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((256, 16), jnp.bfloat16)
+    assert jax.default_backend() == "cpu"
+    cpu_hlo = jax.jit(dot_tn).lower(a, b).as_text()
+    assert "optimization_barrier" in cpu_hlo
+
+    mesh = _tpu_mesh()
+    rep = NamedSharding(mesh, P())
+
+    def on_tpu(a, b):
+        with placement.building_for(mesh):
+            return dot_tn(a, b)
+
+    tpu = jax.jit(on_tpu, in_shardings=(rep, rep)).lower(
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=rep))
+    assert "optimization_barrier" not in tpu.as_text()
+    assert "optimization-barrier" not in tpu.compile().as_text()
+
+
+def test_cpu_kernels_follow_the_program():
+    """A decode-time (panel) state: the CPU program calls the native kernels; the same graph built
+    for a TPU mesh takes XLA's dots (no CPU custom call can leak into it)."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from specjax import kernels, placement
+    from specjax.models import panels
+    from specjax.models.config import TargetConfig
+    from specjax.models.target import build_model
+    from tests.sharding.tiny import target_config
+
+    if not kernels.available("cpu"):
+        pytest.skip(f"CPU kernels unavailable here: {kernels.status()['reason']}")
+    model = build_model(TargetConfig.from_hf(target_config("llama", 1)), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    dstate = panels.decode_state(model, state)
+    assert panels.panel_dtypes(dstate)  # packed: the CPU decode path
+    ids = jnp.zeros((1, 1), jnp.int32)
+
+    def fwd(state, ids):
+        return nnx.merge(graphdef, state)(ids).logits
+
+    assert "specjax_panel_matmul" in jax.jit(fwd).lower(dstate, ids).as_text()
+
+    mesh = _tpu_mesh()
+    rep = NamedSharding(mesh, P())
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), dstate)
+
+    def fwd_tpu(state, ids):
+        with placement.building_for(mesh):
+            return fwd(state, ids)
+
+    assert not kernels.available(placement.platform_of(mesh))
+    assert panels.decode_state(model, abstract) is abstract  # params on a TPU: no panels
+    lowered = jax.jit(fwd_tpu).lower(abstract, jax.ShapeDtypeStruct((1, 1), jnp.int32, sharding=rep))
+    assert "specjax_" not in lowered.as_text()
+    assert "specjax_" not in lowered.compile().as_text()
+    np.testing.assert_equal(placement.platform_of(abstract), "tpu")
