@@ -44,6 +44,9 @@ if [ "$ROLE" = "test" ]; then
     "aiohttp" "openai>=2.0" "protobuf" "psutil" "accelerate" "click" \
     "pytest>=8" "pytest-xdist" "hypothesis" "nbclient" "nbformat" "ipykernel" "scipy" \
     "transformers==5.19.0" "safetensors>=0.5"
+  # libtpu for the pinned jax (pyproject's [tpu] extra): tests compile the real TPU programs on
+  # this CPU host (specjax plan, tests/test_plan.py); the extra pins jax/jaxlib to 0.10.2
+  "${PIP[@]}" install "jax[tpu]==0.10.2"
   # Guard against the trap above.
   "${PIP[@]}" uninstall -y torchvision torchaudio >/dev/null 2>&1 || true
 fi
