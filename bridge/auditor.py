@@ -19,7 +19,7 @@ from bridge.contract import FLOAT, FLOAT_TAGS, expected_tensors, open_prefixes
 from bridge.errors import BridgeError, CheckpointNotFoundError, ConfigError
 from bridge.jsonio import read_json
 from bridge.safetensors_io import open_tensors
-from bridge.schema import DFlashConfig, DraftConfig, Eagle3Config, MTPConfig, PEagleConfig, read_config
+from bridge.schema import DFlashConfig, DraftConfig, Eagle3Config, MTPConfig, PEagleConfig, aux_id_problems, read_config
 from bridge.vocab_maps import vocab_map_problems
 
 EAGLE3_FAMILIES = ("llama", "qwen3")
@@ -191,13 +191,9 @@ def check_config(cfg: DraftConfig, shapes: dict[str, tuple[tuple[int, ...], str]
 
     # -- aux ids
     ids = cfg.aux_layer_ids
-    if ids:
-        if len(set(ids)) != len(ids):
-            rep.error("aux_ids.distinct", f"aux layer ids {ids} repeat a layer; speculators 0.9.0 requires distinct ids",
-                      _aux_key(cfg))
-        if any(i < 0 for i in ids):
-            rep.error("aux_ids.range", f"aux layer ids {ids} contain a negative id", _aux_key(cfg))
-    elif isinstance(cfg, Eagle3Config):
+    for rule, key, msg in aux_id_problems(cfg):
+        rep.error(rule, msg, key)
+    if ids is None and isinstance(cfg, Eagle3Config):
         rep.warn("aux_ids.absent", "no eagle_aux_hidden_state_layer_ids: speculators resolves [2, n//2, n-3] of the "
                  "verifier and vLLM defaults to the same tuple; a draft trained on other layers is served silently "
                  "wrong. Write the ids explicitly.", "eagle_aux_hidden_state_layer_ids")

@@ -308,6 +308,9 @@ def _open_index(d: Path, index: Path) -> TensorStore:
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise ShardIndexError("expected an object with a 'weight_map' of tensor name -> shard file", path=ipath, key="weight_map")
+    if not wm:
+        raise ShardIndexError("weight_map is empty; expected tensor name -> shard file for every tensor", path=ipath,
+                              key="weight_map")
     root = d.resolve()
     files: dict[str, SafetensorsFile] = {}
     where: dict[str, SafetensorsFile] = {}
@@ -318,6 +321,11 @@ def _open_index(d: Path, index: Path) -> TensorStore:
         if not sp.is_file():
             raise ShardIndexError(f"shard {shard!r} named by the index does not exist", path=ipath, key=shard)
         files[shard] = SafetensorsFile(sp)
+    unnamed = sorted(p.name for p in d.glob("*.safetensors") if p.name not in set(wm.values()))
+    if unnamed:
+        raise ShardIndexError(f"{unnamed[0]!r} is in the checkpoint directory but the index names no tensor in it "
+                              f"(its tensors would be ignored); expected every shard in weight_map", path=ipath,
+                              key=unnamed[0])
     owner: dict[str, str] = {}
     for shard, f in files.items():
         for n in f.tensors:

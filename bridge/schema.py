@@ -13,9 +13,10 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError, field_validator, model_validator
 
 from bridge.errors import CheckpointNotFoundError, ConfigError, UnknownModelTypeError
+from bridge.hf_values import DTYPES, layer_problems, one_of
 from bridge.jsonio import read_json
 
 CONFIG_NAME = "config.json"
@@ -32,6 +33,17 @@ class ProposalMethod(_Strict):
     speculative_tokens: int = Field(5, ge=1)
     verifier_accept_k: int = Field(1, ge=1)
     accept_tolerance: float = Field(0.0, ge=0.0)
+
+    @field_validator("verifier_accept_k")
+    @classmethod
+    def _sane_top_k(cls, k, info):
+        # verifier_accept_k > 1 is a lossy relaxation the auditor warns about; beyond the number of
+        # proposed tokens it is no longer a setting anyone meant
+        n = info.data.get("speculative_tokens")
+        if n is not None and k > n:
+            raise ValueError(f"verifier_accept_k {k} exceeds speculative_tokens {n}; expected 1 (exact) or a small "
+                             "lossy top-k")
+        return k
 
 
 class VerifierBinding(_Strict):
@@ -67,13 +79,13 @@ class LayerConfig(_Strict):
     vocab_size: int = Field(gt=0)
     rms_norm_eps: float = Field(1e-6, gt=0.0)
     hidden_act: str = "silu"
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    max_position_embeddings: int = 2048
+    attention_bias: StrictBool = False  # "false" would be a truthy string to transformers
+    mlp_bias: StrictBool = False
+    max_position_embeddings: int = Field(2048, gt=0)
     layer_types: list[str] | None = None
-    sliding_window: int | None = None
+    sliding_window: int | None = Field(None, gt=0)
     pad_token_id: int | None = None
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: StrictBool = False
 
     @property
     def kv_heads(self) -> int:
@@ -102,6 +114,16 @@ class LayerConfig(_Strict):
             if len(self.layer_types) != self.num_hidden_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers "
                                  f"{self.num_hidden_layers}; expected one per layer")
+        return self
+
+    @model_validator(mode="after")
+    def _heads_fit(self):
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"head_dim is absent and hidden_size {self.hidden_size} is not a multiple of "
+                             f"num_attention_heads {self.num_attention_heads}; expected an explicit head_dim")
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.kv_heads}; expected grouped-query heads")
         return self
 
     def sliding_layers(self) -> list[int]:
@@ -253,6 +275,31 @@ class MTPConfig(DraftConfig):
 
 ALGORITHMS = tuple(DraftConfig.REGISTRY)
 
+# No transformer has come near this depth (the deepest published LLMs have ~130 layers); an aux id
+# beyond it is a corrupted value, refused even when no verifier config is at hand to give the real bound.
+MAX_LAYER_ID = 4096
+
+
+def aux_id_problems(cfg: DraftConfig) -> list[tuple[str, str, str]]:
+    """``[(rule, key, message)]`` for the recorded aux layer ids, from the config alone."""
+    key = "aux_hidden_state_layer_ids" if isinstance(cfg, DFlashConfig) else "eagle_aux_hidden_state_layer_ids"
+    ids = cfg.aux_layer_ids
+    if ids is None:
+        return []
+    out = []
+    if not ids:
+        out.append(("aux_ids.empty", key, f"{key} is an empty list; expected the verifier layers the draft reads "
+                                          "(null or no key for the default)"))
+    if len(set(ids)) != len(ids):
+        out.append(("aux_ids.distinct", key, f"aux layer ids {ids} repeat a layer; speculators 0.9.0 requires "
+                                             "distinct ids"))
+    if any(i < 0 for i in ids):
+        out.append(("aux_ids.range", key, f"aux layer ids {ids} contain a negative id"))
+    if any(i > MAX_LAYER_ID for i in ids):
+        out.append(("aux_ids.range", key, f"aux layer id {max(ids)} is beyond any verifier's depth "
+                                          f"(expected <= {MAX_LAYER_ID}; the verifier's layer count bounds it)"))
+    return out
+
 
 def _loc(err: dict) -> str:
     return ".".join(str(p) for p in err.get("loc", ())) or "<root>"
@@ -283,6 +330,22 @@ def parse_config(raw: Any, *, path: str | None = None) -> DraftConfig:
             raise ConfigError(f"invalid {mt} config: {msgs}", path=path, key=prefix + _loc(e.errors()[0])) from None
         if model is cls:
             out = cfg
+    tl = raw["transformer_layer_config"]
+    for key, msg in layer_problems(tl):
+        raise ConfigError(f"invalid {mt} config: transformer_layer_config.{msg}", path=path,
+                          key=f"transformer_layer_config.{key}")
+    for k in ("dtype", "torch_dtype"):
+        if raw.get(k) is not None and not one_of(raw[k], DTYPES):
+            raise ConfigError(f"{k} {raw[k]!r} is not a dtype name transformers reads; expected one of "
+                              f"{sorted(DTYPES)}", path=path, key=k)
+    algo = out.speculators_config.algorithm
+    if algo != mt:
+        raise ConfigError(f"speculators_config.algorithm is {algo!r} but speculators_model_type is {mt!r}; "
+                          "expected the same algorithm in both", path=path, key="speculators_config.algorithm")
+    if "tie_word_embeddings" in raw and not isinstance(raw["tie_word_embeddings"], bool):
+        raise ConfigError(f"tie_word_embeddings is {raw['tie_word_embeddings']!r}; expected true or false (a JSON "
+                          "boolean: transformers reads any other value by its truthiness)", path=path,
+                          key="tie_word_embeddings")
     out._raw = copy.deepcopy(raw)
     return out
 

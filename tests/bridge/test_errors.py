@@ -408,3 +408,81 @@ def test_config_values_that_cannot_run_or_round_trip_are_refused(ck, edit, match
         bridge.load_checkpoint(ck)
     rep = bridge.audit(ck)
     assert rep.exit_code == 2 and re.search(match, rep.unreadable)
+
+
+def _layer(**upd):
+    return lambda c: c["transformer_layer_config"].update(**upd)
+
+
+@pytest.mark.parametrize("edit,key,match", [
+    (_layer(rope_parameters={}), "rope_parameters.rope_theta", r"rope_theta is None; expected a finite number > 0"),
+    (_layer(rope_parameters=None), "rope_parameters", r"rope_parameters is None; expected an object"),
+    (_layer(rope_parameters={"rope_type": "default", "rope_theta": -5.0}), "rope_parameters.rope_theta",
+     r"rope_theta is -5.0"),
+    (_layer(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6}), "rope_parameters.factor",
+     r"rope_type 'yarn' needs 'factor'"),
+    (_layer(rope_parameters={"rope_type": "ntk9", "rope_theta": 1e6}), "rope_parameters.rope_type",
+     r"rope_type 'ntk9' is not a transformers rope type"),
+    (_layer(layer_types=None), "layer_types", r"layer_types is None; expected a list"),
+    (_layer(head_dim=None, hidden_size=33), "transformer_layer_config", r"not a multiple of num_attention_heads"),
+    (_layer(hidden_act="slu"), "hidden_act", r"hidden_act 'slu' is not a transformers activation"),
+    (_layer(model_type="gpt2"), "model_type", r"model_type 'gpt2' is not a decoder family"),
+    (_layer(dtype="float99"), "dtype", r"dtype 'float99' is not a dtype name"),
+    (lambda c: c.update(dtype="float99"), "dtype", r"dtype 'float99' is not a dtype name"),
+    (lambda c: c.update(tie_word_embeddings=2), "tie_word_embeddings", r"tie_word_embeddings is 2; expected true or false"),
+    (lambda c: c.update(tie_word_embeddings="false"), "tie_word_embeddings", r"expected true or false"),
+    (_layer(tie_word_embeddings="false"), "tie_word_embeddings", r"valid boolean"),
+    (lambda c: c["speculators_config"].update(algorithm="eagle9"), "speculators_config.algorithm",
+     r"algorithm is 'eagle9' but speculators_model_type is 'eagle3'"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[]), "eagle_aux_hidden_state_layer_ids", r"empty list"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[10**9, 1, 2]), "eagle_aux_hidden_state_layer_ids",
+     r"aux layer id 1000000000 is beyond any verifier's depth"),
+    (lambda c: c["speculators_config"]["proposal_methods"][0].update(verifier_accept_k=10**9), "verifier_accept_k",
+     r"verifier_accept_k 1000000000 exceeds speculative_tokens"),
+])
+def test_every_config_field_the_models_read_is_checked_at_load_and_in_audit(ck, edit, key, match):
+    cfg = json.loads((ck / "config.json").read_text())
+    edit(cfg)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=match) as ei:
+        bridge.load_checkpoint(ck)
+    assert key in (ei.value.key or ""), ei.value.key
+    rep = bridge.audit(ck)
+    if rep.unreadable:
+        assert re.search(match, rep.unreadable) and rep.exit_code == 2
+    else:  # checks that need the parsed config are audit rules (exit 1)
+        assert any(re.search(match, f.message) for f in rep.errors) and rep.exit_code == 1, rep.findings
+
+
+def test_mtp_checkpoint_naming_another_algorithm_is_refused(spec_ckpts, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(spec_ckpts["mtp-qwen3-f32"], d)
+    _edit_config(d, lambda c: c["speculators_config"].update(algorithm="dflash"))
+    with pytest.raises(ConfigError, match="algorithm is 'dflash' but speculators_model_type is 'mtp'"):
+        bridge.load_checkpoint(d)
+
+
+def test_empty_weight_map_is_unreadable_for_every_command(ck, tmp_path):
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    out = _shard(tmp_path, ck, lambda wm, out: wm.clear())
+    with pytest.raises(ShardIndexError, match="weight_map is empty"):
+        bridge.load_checkpoint(out)
+    runner = CliRunner()
+    codes = {cmd: runner.invoke(app, args).exit_code for cmd, args in [
+        ("inspect", ["inspect", str(out)]), ("audit", ["audit", str(out)]),
+        ("convert", ["convert", str(out), str(tmp_path / "o")])]}
+    assert codes == {"inspect": 2, "audit": 2, "convert": 2}
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_shard_the_index_does_not_name_is_refused(ck, tmp_path):
+    def drop_one_shard(wm, out):
+        gone = sorted(set(wm.values()))[-1]
+        for k in [k for k, v in wm.items() if v == gone]:
+            del wm[k]
+    out = _shard(tmp_path, ck, drop_one_shard)
+    with pytest.raises(ShardIndexError, match="the index names no tensor in it"):
+        bridge.load_checkpoint(out)
