@@ -214,10 +214,16 @@ class Run:
     def _check_output(self, resume: bool, overwrite: bool):
         ck = self.out / "checkpoints"
         has = ck.is_dir() and any(p.name.isdigit() for p in ck.iterdir())
+        self.resume_from_scratch = False
         if resume:
-            if not has:
-                raise ResumeError("--resume: no complete checkpoint in this run directory", path=str(ck))
             rj = self.out / "resume.json"
+            if not has:
+                partial = partial_saves(ck)
+                if not (rj.is_file() or partial):
+                    raise ResumeError("--resume: no complete checkpoint in this run directory", path=str(ck))
+                # the run started but was killed before (or during) its first save: its state then is the
+                # initial state, so resuming is starting over (the partial save is removed in train())
+                self.resume_from_scratch = True
             if rj.is_file():
                 old = json.loads(rj.read_text(encoding="utf-8"))
                 old_n = int(old.pop(PARALLEL_KEY, {}).get("rows_per_step", 1))
@@ -424,10 +430,18 @@ class Run:
         params, opt_state = self.build_state()
         mngr = self._manager()
         start, best = 0, {"val_loss": None, "step": None}
-        if self.resume:
+        if self.resume and main:
+            for p in partial_saves(self.out / "checkpoints"):  # a save the kill interrupted
+                shutil.rmtree(p, ignore_errors=True)
+        if self.resume and self.resume_from_scratch:
+            self.log("no complete checkpoint: the run was stopped before its first save finished; starting it over "
+                     "from step 0 (the same state)")
+        elif self.resume:
             start, params, opt_state, meta = self.restore(mngr, params, opt_state)
             best = meta.get("best", best)
             self.log(f"resumed from step {start}")
+        if self.resume and main:
+            keep_metrics_through(self.out / "metrics.jsonl", start)
         parallel = {"rows_per_step": self.replicas, "mesh": self.mesh_desc}
         if main:
             with atomic_file(self.out / "run.yaml", text=True) as f:
@@ -537,6 +551,30 @@ def _agree(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def partial_saves(ckpt_dir: Path) -> list[Path]:
+    """Orbax's temporary directories of saves that never finished (``<step>.orbax-checkpoint-tmp-<n>``)."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p for p in ckpt_dir.iterdir() if ".orbax-checkpoint-tmp" in p.name)
+
+
+def keep_metrics_through(path: Path, step: int) -> None:
+    """Rewrite ``metrics.jsonl`` (atomically) keeping the records of steps <= ``step``: the steps a
+    resumed run recomputes are logged again, once. A torn last line (the kill) is dropped too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+            kept.append(line)
+    with atomic_file(path, text=True) as f:
+        f.write("".join(k + "\n" for k in kept))
 
 
 def train(cfg: TrainConfig, *, target=None, mesh=None, data_parallel: int | None = None, resume: bool = False,

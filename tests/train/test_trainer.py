@@ -173,3 +173,45 @@ def test_prompt_loss_supervises_every_training_position_only(tmp_path, tiny_data
     assert masked.sum() < len(masked)  # the dataset row has unsupervised (prompt) positions
     j = int(run.val_data.indices[0])
     np.testing.assert_array_equal(run.val_data.sample(j)["loss_mask"], plain.val_data.sample(j)["loss_mask"])
+
+
+def _train_steps(run_dir):
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in recs if r.get("split") != "val"]
+
+
+def test_kill_during_first_save_resumes_from_scratch_and_metrics_keep_one_line_per_step(tmp_path, tiny_data,
+                                                                                      tiny_target):
+    import shutil
+
+    extra = ("trainer.epochs=2", "trainer.log_every=1")
+    ref = Run(recipe(tiny_data, tmp_path / "a", *extra), target=tiny_target, progress=False)
+    ref.train()
+    r1 = Run(recipe(tiny_data, tmp_path / "b", *extra), target=tiny_target, progress=False)
+    r1.train(stop_after=5)
+    ck = tmp_path / "b" / "checkpoints"
+    # what a kill inside the first save leaves: Orbax's temporary dir, no complete step, metrics of 5 steps
+    shutil.rmtree(ck / "5")
+    (ck / "4").rename(ck / "4.orbax-checkpoint-tmp-1764700000")
+    assert _train_steps(tmp_path / "b") == [1, 2, 3, 4, 5]
+    with (tmp_path / "b" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "epo')  # a torn last line
+    r2 = Run(recipe(tiny_data, tmp_path / "b", *extra), target=tiny_target, progress=False, resume=True)
+    s = r2.train()
+    assert s["steps"] == ref.total_steps
+    assert not [p for p in ck.iterdir() if "orbax-checkpoint-tmp" in p.name]
+    for a, b in zip(_leaves(ref.params), _leaves(r2.params)):
+        np.testing.assert_array_equal(a, b)
+    assert _train_steps(tmp_path / "b") == list(range(1, ref.total_steps + 1))
+
+
+def test_resume_after_a_kill_logs_each_step_once(tmp_path, tiny_data, tiny_target):
+    import shutil
+
+    extra = ("trainer.epochs=2", "trainer.log_every=1")
+    r1 = Run(recipe(tiny_data, tmp_path / "b", *extra), target=tiny_target, progress=False)
+    r1.train(stop_after=6)  # checkpoints at 4 and 6; metrics through 6
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "6")  # killed before the step-6 save: resume recomputes 5, 6
+    r2 = Run(recipe(tiny_data, tmp_path / "b", *extra), target=tiny_target, progress=False, resume=True)
+    r2.train()
+    assert _train_steps(tmp_path / "b") == list(range(1, r2.total_steps + 1))
