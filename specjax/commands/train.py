@@ -24,6 +24,8 @@ def train_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="discard an existing run in trainer.output_dir"),
     print_config: bool = typer.Option(False, "--print-config", help="print the resolved recipe and exit"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
+    log_to: str = typer.Option("jsonl", "--log-to", help="metric sinks, comma-separated: jsonl (always written), "
+                               "tensorboard (<run>/tensorboard), wandb (when installed)"),
     mesh: str = shcli.mesh_option(),
     coordinator: Optional[str] = shcli.coordinator_option(),
     num_processes: Optional[int] = shcli.num_processes_option(),
@@ -45,13 +47,13 @@ def train_cmd(
         if print_config:
             print(cfg.to_yaml(), end="")
             return
-        from specjax.train.pipeline import needs_prepare, recipe_prompts
+        from specjax.train.metric_sinks import parse_log_to
 
-        if cfg.data.prepare is not None and needs_prepare(cfg):
-            recipe_prompts(cfg)  # a bad prompt input fails here, before the target loads
+        sinks = parse_log_to(log_to)
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
+        # the run reads and checks the prompts (a recipe that builds its data) before the target loads
         summary = train(cfg, mesh=dev_mesh, resume=resume, overwrite=overwrite, progress=not as_json,
-                        log=lambda m: console(stderr=True).print(m, style="dim"))
+                        log=lambda m: console(stderr=True).print(m, style="dim"), log_to=sinks)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
     if not is_main_process():

@@ -59,6 +59,7 @@ from bridge.atomic import atomic_file
 from specjax.train.config import TrainConfig
 from specjax.train.errors import DatasetError, HiddenStateCacheError, ResumeError, TrainError
 from specjax.train.feed import Prefetch, TrainData
+from specjax.train.metric_sinks import open_sinks
 from specjax.train.hidden_states import cache_layer_ids, default_aux_layer_ids, verify_cache
 from specjax.train.objectives import accept_estimate, normalize_metrics
 from specjax.train.optim import build_optimizer, resolve_schedule_steps
@@ -90,8 +91,9 @@ class Run:
 
     def __init__(self, cfg: TrainConfig, *, target=None, mesh=None, data_parallel: int | None = None,
                  resume: bool = False, overwrite: bool = False, progress: bool = True,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, log_to: list[str] | None = None):
         from specjax.sharding import batch_divisor, describe, is_main_process, make_mesh
+        from specjax.train.metric_sinks import check_available
 
         self.cfg = cfg
         self.main = is_main_process()
@@ -107,7 +109,14 @@ class Run:
             raise TrainError(f"data_parallel={data_parallel}: the rows per step must be a positive multiple of data x "
                              f"fsdp = {div} on {self.mesh_desc}", key="data_parallel")
         self.replicas = n
+        self.log_to = list(dict.fromkeys(["jsonl", *(log_to or [])]))  # metrics.jsonl always: resume reads it
+        check_available(self.log_to)
         self._check_output(resume, overwrite)
+        from specjax.train.pipeline import needs_prepare, recipe_prompts
+
+        records = None
+        if cfg.data.prepare is not None and needs_prepare(cfg):
+            records = recipe_prompts(cfg)  # a bad prompt input fails here, before the target loads
         from specjax.models.loading import LoadedTarget, load_target
 
         if target is None:
@@ -135,7 +144,7 @@ class Run:
                                    "recipe", path=str(ddir))
             spec = recipe_data_spec(cfg, n)
             self.log(f"preparing data in {ddir}")
-            prepare_data(ddir, spec, target, progress=progress, log=self.log)
+            prepare_data(ddir, spec, target, progress=progress, log=self.log, records=records)
         rows, meta = load_data_dir(ddir)
         self.data_meta = meta
         if meta:
@@ -449,7 +458,9 @@ class Run:
             with atomic_file(self.out / "resume.json", text=True) as f:
                 f.write(json.dumps({**cfg.resume_key(), PARALLEL_KEY: parallel}, indent=1, sort_keys=True))
         items = self.schedule_items(start)
-        metrics_f = open(self.out / "metrics.jsonl", "a", encoding="utf-8") if main else None
+        # TensorBoard drops points at steps > start (the killed run's); the restored step's stay
+        sinks = open_sinks(self.out, self.log_to, config=cfg.model_dump(mode="json"),
+                           resume_step=start + 1 if self.resume else None) if main else None
         bar = tqdm(total=self.total_steps, initial=start, unit="step", desc=f"train {cfg.speculator_type}",
                    disable=not self.progress, dynamic_ncols=True)
         S = cfg.loss.ttt_steps
@@ -463,9 +474,8 @@ class Run:
         val_every = cfg.trainer.val_every
 
         def write(rec: dict) -> None:
-            if metrics_f is not None:
-                metrics_f.write(json.dumps(rec) + "\n")
-                metrics_f.flush()
+            if sinks is not None:
+                sinks.write(rec)
 
         build = lambda st: self.host_rows(self.train_data, st)  # noqa: E731
         for (gstep, b, epoch, end_of_epoch), (_, rows) in zip(
@@ -525,8 +535,8 @@ class Run:
                 stopped = "stop_after"
                 break
         bar.close()
-        if metrics_f is not None:
-            metrics_f.close()
+        if sinks is not None:
+            sinks.close()
         if step < self.total_steps and stopped is None:
             stopped = "epochs"
         summary = {"steps": step, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
@@ -578,7 +588,9 @@ def keep_metrics_through(path: Path, step: int) -> None:
 
 
 def train(cfg: TrainConfig, *, target=None, mesh=None, data_parallel: int | None = None, resume: bool = False,
-          overwrite: bool = False, progress: bool = True, log: Callable[[str], None] | None = None) -> dict:
-    """Library entry point of ``specjax train`` (``mesh``, ``data_parallel``: see :class:`Run`)."""
+          overwrite: bool = False, progress: bool = True, log: Callable[[str], None] | None = None,
+          log_to: list[str] | None = None) -> dict:
+    """Library entry point of ``specjax train`` (``mesh``, ``data_parallel``: see :class:`Run`;
+    ``log_to``: metric sinks besides ``metrics.jsonl``, :mod:`specjax.train.metric_sinks`)."""
     return Run(cfg, target=target, mesh=mesh, data_parallel=data_parallel, resume=resume, overwrite=overwrite,
-               progress=progress, log=log).train()
+               progress=progress, log=log, log_to=log_to).train()

@@ -215,3 +215,18 @@ def test_resume_after_a_kill_logs_each_step_once(tmp_path, tiny_data, tiny_targe
     r2 = Run(recipe(tiny_data, tmp_path / "b", *extra), target=tiny_target, progress=False, resume=True)
     r2.train()
     assert _train_steps(tmp_path / "b") == list(range(1, r2.total_steps + 1))
+
+
+def test_log_to_tensorboard_records_what_metrics_jsonl_holds(tmp_path, tiny_data, tiny_target):
+    from tests.train.test_metric_sinks import scalar_points
+
+    out = tmp_path / "tb"
+    Run(recipe(tiny_data, out, "trainer.max_steps=3", "trainer.log_every=1"), target=tiny_target, progress=False,
+        log_to=["tensorboard"]).train()
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_recs = [r for r in recs if r.get("split") != "val"]
+    assert [r["step"] for r in train_recs] == [1, 2, 3]
+    points = scalar_points(out)  # {(tag, step): value}
+    assert sorted(s for t, s in points if t == "train/loss") == [1, 2, 3]
+    for r in train_recs:
+        assert points[("train/loss", r["step"])] == pytest.approx(r["loss"], rel=1e-6)
