@@ -38,7 +38,10 @@ class ShardIndexError(BridgeError):
 
 
 class TensorMismatchError(BridgeError):
-    """Tensors missing, unexpected, or of the wrong shape/dtype for the declared config."""
+    """Tensors missing, unexpected, or of the wrong shape/dtype/values for the declared config: a
+    readable checkpoint that breaks the contract (exit 1, as ``audit`` reports it)."""
+
+    exit_code = 1
 
 
 class WriteError(BridgeError):
