@@ -1,0 +1,258 @@
+"""TPU attention kernels (specjax.kernels.tpu): numerics in Pallas interpret mode on the CPU
+against the XLA path with the models' own masks, the selection rule, and deviceless compiles
+for v5e/v6e (libtpu) with temp memory of the flash path against the XLA path.
+
+Tolerances (max abs error; inputs N(0, 1), outputs O(1)): float32 forward <= 1e-5 (measured
+~1e-6); float32 gradients <= 1e-5 relative to the largest gradient entry; bfloat16 <= 2e-2
+(one or two bf16 ulps at 1.0: splash pre-scales q in bf16 and feeds bf16 probabilities to the
+second matmul, as the XLA path rounds differently).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")  # quiets libtpu's host checks
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from specjax import placement  # noqa: E402
+from specjax.kernels import tpu as kt  # noqa: E402
+from specjax.models.drafts.dflash import block_mask  # noqa: E402
+from specjax.models.drafts.eagle3 import ttt_mask  # noqa: E402
+from specjax.models.layers import attend, attend_cache, causal_mask  # noqa: E402
+
+F32_TOL, BF16_TOL = 1e-5, 2e-2
+
+
+def rnd(i, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(i), shape, jnp.float32).astype(dtype)
+
+
+def err(a, b):
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def flash(spec, dtype=jnp.float32):
+    return jax.jit(lambda q, k, v: kt.tpu_attention(q, k, v, mask_spec=spec, impl="pallas", interpret=True))
+
+
+# packed row: documents 0, 1, 2 and padding (-1); T = 200 is not a multiple of 128 (padded inside)
+DOCS = jnp.array([[0] * 60 + [1] * 70 + [2] * 40 + [-1] * 30, [0] * 120 + [3] * 80])
+
+
+def test_causal_specs_are_the_models_masks():
+    """What each causal spec admits is exactly the mask the target / MTP build (the XLA path)."""
+    T = DOCS.shape[1]
+    pos = jnp.broadcast_to(jnp.arange(T), (2, T))
+    valid = jnp.arange(T)[None] < jnp.array([[150], [200]])
+    same = DOCS[:, None, :, None] == DOCS[:, None, None, :]
+    for spec, ref in [(kt.causal(), causal_mask(pos, pos[0])),
+                      (kt.causal(window=37), causal_mask(pos, pos[0], sliding_window=37)),
+                      (kt.causal(window=37, segment_ids=DOCS), causal_mask(pos, pos[0], sliding_window=37) & same),
+                      (kt.causal(kv_valid=valid), causal_mask(pos, pos[0], kv_valid=valid)),
+                      (kt.ttt(DOCS, window=None, steps_before=0), ttt_mask(DOCS, None, 0))]:
+        assert bool(jnp.all(kt.dense_mask(spec, T, T) == ref)), spec
+
+
+@pytest.mark.parametrize("case", ["window_gqa", "packed_padded", "kv_valid"])
+def test_flash_matches_attend_f32(case):
+    """window_gqa: T = 256 (no padding, static mask only); packed_padded: T = 200 (padded to 256
+    inside) with document segment ids and a window; kv_valid: HF padding of keys."""
+    B, Hq, Hkv, D = 2, 4, 2, 64
+    T = 256 if case == "window_gqa" else 200
+    q, k, v = rnd(0, (B, T, Hq, D)), rnd(1, (B, T, Hkv, D)), rnd(2, (B, T, Hkv, D))
+    valid = jnp.arange(T)[None] < jnp.array([[150], [200]])
+    spec = {"window_gqa": kt.causal(window=100), "packed_padded": kt.causal(window=37, segment_ids=DOCS),
+            "kv_valid": kt.causal(kv_valid=valid)}[case]
+    out = flash(spec)(q, k, v)
+    ref = attend(q, k, v, kt.dense_mask(spec, T, T))
+    assert err(out, ref) <= F32_TOL
+
+
+def test_flash_bf16_tolerance():
+    B, T, Hq, Hkv, D = 1, 256, 4, 1, 128
+    q, k, v = (rnd(i, (B, T, h, D), jnp.bfloat16) for i, h in ((0, Hq), (1, Hkv), (2, Hkv)))
+    spec = kt.causal(window=100)
+    ref = attend(q, k, v, kt.dense_mask(spec, T, T))
+    out = flash(spec)(q, k, v)
+    assert out.dtype == jnp.bfloat16
+    assert 0 < err(out, ref) <= BF16_TOL  # bf16 rounding shows, within the stated bound
+
+
+def _grads(f, q, k, v):
+    w = rnd(9, q.shape)  # a fixed random cotangent
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * w), argnums=(0, 1, 2)))(q, k, v)
+
+
+def _check_fwd_bwd(spec, ref_mask, q, k, v):
+    f = lambda q, k, v: kt.tpu_attention(q, k, v, mask_spec=spec, impl="pallas", interpret=True)
+    r = lambda q, k, v: attend(q, k, v, ref_mask)
+    assert err(jax.jit(f)(q, k, v), r(q, k, v)) <= F32_TOL
+    for g, gr in zip(_grads(f, q, k, v), _grads(r, q, k, v)):
+        assert err(g, gr) <= F32_TOL * float(jnp.max(jnp.abs(gr)))
+
+
+@pytest.mark.parametrize("steps_before,window", [(2, 24)])
+def test_ttt_mask_forward_and_grads(steps_before, window):
+    B, T, Hq, Hkv, D = 2, 200, 4, 2, 64
+    S = (steps_before + 1) * T
+    spec = kt.ttt(DOCS, window=window, steps_before=steps_before)
+    ref_mask = ttt_mask(DOCS, window, steps_before)
+    assert bool(jnp.all(kt.dense_mask(spec, T, S) == ref_mask))
+    _check_fwd_bwd(spec, ref_mask, rnd(0, (B, T, Hq, D)), rnd(1, (B, S, Hkv, D)), rnd(2, (B, S, Hkv, D)))
+
+
+@pytest.mark.parametrize("window,non_causal", [(16, False)])
+def test_dflash_block_mask_forward_and_grads(window, non_causal):
+    B, T, Hq, Hkv, D, Bk = 2, 200, 4, 2, 64, 8
+    anchors = jnp.array([[3, 50, 70, 90, 120], [10, 20, 99, 130, 150]])
+    m = block_mask(DOCS, anchors, Bk, window=window, non_causal=non_causal)
+    Q, S = anchors.shape[1] * Bk, T + anchors.shape[1] * Bk
+    _check_fwd_bwd(kt.dense(m), m, rnd(0, (B, Q, Hq, D)), rnd(1, (B, S, Hkv, D)), rnd(2, (B, S, Hkv, D)))
+
+
+@pytest.mark.parametrize("dtype,window,seq_major", [(jnp.float32, None, False), (jnp.float32, 50, True),
+                                                    (jnp.bfloat16, None, False)])
+def test_decode_reads_only_valid_slots(dtype, window, seq_major):
+    """k = 4 verify queries per sequence over a 384-slot cache with ragged lengths; every slot at
+    or past a sequence's length holds NaN, which must not reach the output."""
+    B, T, Hq, Hkv, D, S = 3, 4, 8, 2, 128, 384
+    lengths = jnp.array([5, 200, 379])
+    pos = lengths[:, None] + jnp.arange(T)[None] - T  # the last T written slots
+    q, k, v = rnd(0, (B, T, Hq, D), dtype), rnd(1, (B, Hkv, S, D), dtype), rnd(2, (B, Hkv, S, D), dtype)
+    ref = attend_cache(q, k, v, causal_mask(pos, jnp.arange(S), sliding_window=window))
+    stale = jnp.arange(S)[None, None, :, None] >= lengths[:, None, None, None]
+    kn, vn = jnp.where(stale, jnp.nan, k), jnp.where(stale, jnp.nan, v)
+    if seq_major:
+        kn, vn = jnp.swapaxes(kn, 1, 2), jnp.swapaxes(vn, 1, 2)
+    lo, hi = kt.position_ranges(pos, window)
+    out = jax.jit(lambda q, k, v, lo, hi: kt.cache_attention(q, k, v, lo, hi, seq_major=seq_major, impl="pallas",
+                                                             interpret=True, block_kv=128))(q, kn, vn, lo, hi)
+    assert not bool(jnp.any(jnp.isnan(out)))
+    assert err(out, ref) <= (F32_TOL if dtype == jnp.float32 else BF16_TOL)
+    # the XLA path of the same entry point agrees on a finite cache
+    assert err(kt.cache_attention(q, k, v, lo, hi, impl="xla"), ref) <= (F32_TOL if dtype == jnp.float32 else BF16_TOL)
+
+
+def test_decode_draft_chain_ranges_and_empty_rows():
+    """Per-query ranges as a draft chain step uses them (cache_range), and a query with an empty
+    range gets zeros."""
+    from specjax.models.drafts.common import cache_mask, cache_range
+
+    B, Hq, Hkv, D, S = 2, 4, 4, 128, 256
+    base = jnp.array([[10], [140]])
+    hi = base + 3
+    lo_r, hi_r = cache_range(base, window=None, hi=hi)
+    q, k, v = rnd(0, (B, 1, Hq, D)), rnd(1, (B, S, Hkv, D)), rnd(2, (B, S, Hkv, D))
+    ref = attend(q, k, v, cache_mask(S, base, lo=base + 1, hi=hi))
+    run = jax.jit(lambda lo, hi: kt.cache_attention(q, k, v, lo, hi, seq_major=True, impl="pallas", interpret=True))
+    assert err(run(lo_r, hi_r), ref) <= F32_TOL
+    out = run(jnp.array([[5], [0]]), jnp.array([[4], [S - 1]]))  # sequence 0: empty range
+    assert float(jnp.max(jnp.abs(out[0]))) == 0.0
+    assert err(out[1], attend(q[1:], k[1:], v[1:])[0]) <= F32_TOL
+
+
+def test_errors_name_what_was_found():
+    q, k = jnp.zeros((1, 8, 3, 64)), jnp.zeros((1, 8, 2, 64))
+    with pytest.raises(kt.KernelShapeError, match="query heads 3 are not a multiple of kv heads 2"):
+        kt.tpu_attention(q, k, k, mask_spec=kt.causal(), impl="pallas", interpret=True)
+    with pytest.raises(kt.MaskSpecError, match="ttt spec implies 16 keys for 8 queries, got k with 8"):
+        kt.tpu_attention(jnp.zeros((1, 8, 2, 64)), k, k, mask_spec=kt.ttt(jnp.zeros((1, 8), jnp.int32), window=None,
+                                                                         steps_before=1), impl="pallas")
+    with pytest.raises(kt.MaskSpecError, match="mask kind 'banded'"):
+        kt.MaskSpec("banded")
+    with pytest.raises(kt.KernelShapeError, match="head_dim a multiple of 128; got 64"):
+        kt.cache_attention(jnp.zeros((1, 1, 4, 64)), jnp.zeros((1, 128, 2, 64)), jnp.zeros((1, 128, 2, 64)),
+                           jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), seq_major=True, impl="pallas")
+    with pytest.raises(kt.KernelShapeError, match="cache length 1200 has no kv block"):
+        kt.cache_attention(jnp.zeros((1, 1, 2, 128)), jnp.zeros((1, 2, 1200, 128)), jnp.zeros((1, 2, 1200, 128)),
+                           jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), impl="pallas")
+    with pytest.raises(kt.AttentionImplError, match="'cudnn' is not one of"):
+        kt.tpu_attention(q, q, q, mask_spec=kt.causal(), impl="cudnn")
+
+
+def test_impl_follows_placement_not_default_backend():
+    assert jax.default_backend() == "cpu"
+    assert kt.attention_impl() == "xla"
+    assert kt.attention_impl(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))) == "xla"
+    assert kt.attention_impl("tpu") == "pallas"
+    with placement.building_for("tpu"):
+        assert kt.attention_impl() == "pallas"
+
+
+# ---------------------------------------------------------------- deviceless TPU compiles
+
+@pytest.fixture
+def no_persistent_cache():
+    """A deviceless TPU executable cannot be read back from the persistent compilation cache
+    (the reader needs a TPU client): don't write any while compiling for a topology."""
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
+
+
+def _topology_mesh(name):
+    pytest.importorskip("libtpu", reason="libtpu not installed: pip install 'jax[tpu]==0.10.2' to compile for TPU")
+    from jax.experimental import topologies
+    from jax.sharding import Mesh
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
+    return Mesh(np.array(topo.devices).reshape(1, 1, 8), ("data", "fsdp", "tensor"))
+
+
+def _abstract(mesh, shape, dtype, spec):
+    from jax.sharding import NamedSharding
+
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_compiles_for_tpu_and_temp_does_not_grow_with_t_squared(topology, record_property, no_persistent_cache):
+    """Llama-3.1-8B attention shapes (32 q / 8 kv heads of 128) on tensor=8 at T = 4096: a
+    packed-row train step (forward + backward) and a B=8 verify step over a 4096-slot cache."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _topology_mesh(topology)
+    assert kt.attention_impl(mesh) == "pallas"
+    T, Hq, Hkv, D = 4096, 32, 8, 128
+    act = P(None, None, "tensor", None)
+    q, k = _abstract(mesh, (1, T, Hq, D), jnp.bfloat16, act), _abstract(mesh, (1, T, Hkv, D), jnp.bfloat16, act)
+    doc = _abstract(mesh, (1, T), jnp.int32, P(None, None))
+
+    def attn(impl):
+        return lambda q, k, v, doc: kt.tpu_attention(q, k, v, mask_spec=kt.causal(segment_ids=doc), mesh=mesh,
+                                                     impl=impl)
+
+    def loss(q, k, v, doc):
+        return jnp.sum(attn("pallas")(q, k, v, doc).astype(jnp.float32))
+
+    train = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, doc).compile()
+    fwd = {impl: jax.jit(attn(impl)).lower(q, k, k, doc).compile() for impl in ("pallas", "xla")}
+    for impl, c in fwd.items():
+        assert ("tpu_custom_call" in c.as_text()) == (impl == "pallas")
+    temp = {"pallas_train": train.memory_analysis().temp_size_in_bytes,
+            **{impl: c.memory_analysis().temp_size_in_bytes for impl, c in fwd.items()}}
+    record_property("temp_bytes", temp)
+    print(f"\n{topology} T={T} temp per chip: forward pallas {temp['pallas'] / 2**20:.2f} MiB, xla "
+          f"{temp['xla'] / 2**20:.1f} MiB; pallas forward+backward {temp['pallas_train'] / 2**20:.2f} MiB")
+    assert max(temp["pallas"], temp["pallas_train"]) < 16 * 2**20  # O(T): blocks and residuals only
+    assert temp["xla"] >= (Hq // 8) * T * T * 4  # the f32 scores of this chip's 4 heads
+
+    B, S, kq = 8, 4096, 4
+    qd = _abstract(mesh, (B, kq, Hq, D), jnp.bfloat16, act)
+    cache = _abstract(mesh, (B, Hkv, S, D), jnp.bfloat16, P(None, "tensor", None, None))
+    pos = _abstract(mesh, (B, kq), jnp.int32, P(None, None))
+
+    def verify(q, k, v, pos):
+        lo, hi = kt.position_ranges(pos)
+        return kt.cache_attention(q, k, v, lo, hi, mesh=mesh)
+
+    c = jax.jit(verify).lower(qd, cache, cache, pos).compile()
+    assert "tpu_custom_call" in c.as_text()
+    print(f"{topology} verify B={B} k={kq} S={S} temp per chip: {c.memory_analysis().temp_size_in_bytes / 2**20:.2f} MiB")
