@@ -74,6 +74,21 @@ def test_flash_matches_attend_f32(case):
     assert err(out, ref) <= F32_TOL
 
 
+def test_under_a_mesh_runs_in_shard_map():
+    """With a mesh set around the trace (``jax.set_mesh``) both entry points run the kernel inside
+    shard_map over it; the result is the unsharded one."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    B, T, Hq, Hkv, D = 2, 128, 2, 1, 128
+    q, k, v = rnd(0, (B, T, Hq, D)), rnd(1, (B, T, Hkv, D)), rnd(2, (B, T, Hkv, D))
+    spec = kt.causal(segment_ids=DOCS[:, :T])
+    f = jax.jit(lambda q, k, v: kt.tpu_attention(q, k, v, mask_spec=spec, impl="pallas", interpret=True))
+    with jax.set_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(f)(q, k, v))
+        out = f(q, k, v)
+    assert "shard_map" in jaxpr
+    assert err(out, attend(q, k, v, kt.dense_mask(spec, T, T))) <= F32_TOL
+
+
 def test_flash_bf16_tolerance():
     B, T, Hq, Hkv, D = 1, 256, 4, 1, 128
     q, k, v = (rnd(i, (B, T, h, D), jnp.bfloat16) for i, h in ((0, Hq), (1, Hkv), (2, Hkv)))

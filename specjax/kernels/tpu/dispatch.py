@@ -9,9 +9,10 @@ plan``) takes the Pallas kernels, the same code on the CPU takes XLA.
 * :func:`cache_attention` -- queries against a KV cache, each query seeing one slot range
   (decode, speculative verify, prefill into the cache, draft chain steps).
 
-Both take ``impl`` (``"pallas"`` | ``"xla"``, default :func:`attention_impl`) and ``mesh``: under
-a mesh the Pallas kernels run inside ``jax.shard_map`` (batch over ``data``/``fsdp``, kv heads
-over ``tensor``), because XLA cannot partition a Mosaic kernel.
+Both take ``impl`` (``"pallas"`` | ``"xla"``, default :func:`attention_impl`) and ``mesh`` (default
+the one set with ``jax.set_mesh`` around the trace): under a mesh the Pallas kernels run inside
+``jax.shard_map`` (batch over ``data``/``fsdp``, kv heads over ``tensor``), because XLA cannot
+partition a Mosaic kernel.
 """
 
 from __future__ import annotations
@@ -46,9 +47,18 @@ def _impl(impl, mesh) -> str:
     return impl
 
 
+def ambient_mesh(mesh=None):
+    """``mesh``, else the mesh set with ``jax.set_mesh`` around the trace (None when none is)."""
+    if mesh is not None:
+        return mesh
+    am = jax.sharding.get_abstract_mesh()
+    return None if am is None or am.empty else am
+
+
 def tpu_attention(q, k, v, *, mask_spec: MaskSpec, scale: float | None = None, mesh=None, impl: str | None = None,
                   interpret: bool = False, **block_kw):
     """q [B, T, Hq, D]; k, v [B, S, Hkv, D] -> [B, T, Hq, D]; visibility from ``mask_spec``."""
+    mesh = ambient_mesh(mesh)
     impl = _impl(impl, mesh)
     if impl == "xla":
         check_qkv(q, k, v)
@@ -73,6 +83,7 @@ def cache_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: b
     The XLA path scores every slot (NaN in unseen slots is masked out of the logits but not out
     of the weighted sum there: the cache must be finite); the Pallas path reads only the blocks
     the ranges touch (see :mod:`specjax.kernels.tpu.decode`)."""
+    mesh = ambient_mesh(mesh)
     impl = _impl(impl, mesh)
     if impl == "xla":
         S = k.shape[1] if seq_major else k.shape[2]
