@@ -20,7 +20,7 @@ from bridge import layout
 from bridge.atomic import atomic_dir, atomic_file
 from bridge.contract import FLOAT, FLOAT_TAGS, expected_tensors, open_prefixes
 from bridge.vocab_maps import vocab_map_problems
-from bridge.errors import ConfigError, TensorMismatchError
+from bridge.errors import ConfigContractError, TensorMismatchError
 from bridge.safetensors_io import DTYPES, TensorStore, dtype_tag, open_tensors, write_tensors_into
 from bridge.schema import CONFIG_NAME, DraftConfig, aux_id_problems, dumps_config, read_config
 
@@ -100,7 +100,7 @@ def load_checkpoint(path: str | Path, *, check: bool = True, check_vocab: bool =
     where = store.index_path or store.files[0].path if store.files else str(path)
     if check:
         for _rule, key, msg in aux_id_problems(cfg):
-            raise ConfigError(msg, path=str(path / CONFIG_NAME), key=key)
+            raise ConfigContractError(msg, path=str(path / CONFIG_NAME), key=key)
         check_tensors(cfg, store.infos(), where=where)
         if check_vocab and "d2t" in store and "t2d" in store:  # small buffers: their values are checked, not only their shapes
             problems = vocab_map_problems(store.array("d2t"), store.raw_bytes("t2d"), cfg.layer.vocab_size)

@@ -25,6 +25,12 @@ class ConfigError(BridgeError):
     """config.json is missing, not JSON, or has a missing/invalid key."""
 
 
+class ConfigContractError(ConfigError):
+    """config.json parses but breaks the contract (aux layer ids, ...): exit 1, as ``audit`` reports it."""
+
+    exit_code = 1
+
+
 class UnknownModelTypeError(ConfigError):
     """speculators_model_type is absent or names no known algorithm."""
 

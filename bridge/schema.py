@@ -305,6 +305,15 @@ def _loc(err: dict) -> str:
     return ".".join(str(p) for p in err.get("loc", ())) or "<root>"
 
 
+def _describe(err: dict, prefix: str) -> str:
+    """One pydantic error as ``key: what (found value)``; a whole-section rule (a model validator)
+    names the section and states its own finding, without dumping the section."""
+    msg = err["msg"].removeprefix("Value error, ")
+    if not err.get("loc"):
+        return f"{prefix.rstrip('.') or '<root>'}: {msg}"
+    return f"{prefix}{_loc(err)}: {msg} (found {err.get('input')!r})"
+
+
 def parse_config(raw: Any, *, path: str | None = None) -> DraftConfig:
     """Validate a config.json object. Refuses to guess a missing model type."""
     if not isinstance(raw, dict):
@@ -326,13 +335,13 @@ def parse_config(raw: Any, *, path: str | None = None) -> DraftConfig:
         try:
             cfg = model.model_validate(raw if model is cls else raw["transformer_layer_config"])
         except ValidationError as e:
-            msgs = "; ".join(f"{prefix}{_loc(x)}: {x['msg']} (found {x.get('input')!r})" for x in e.errors()[:4])
+            msgs = "; ".join(_describe(x, prefix) for x in e.errors()[:4])
             raise ConfigError(f"invalid {mt} config: {msgs}", path=path, key=prefix + _loc(e.errors()[0])) from None
         if model is cls:
             out = cfg
     tl = raw["transformer_layer_config"]
     for key, msg in layer_problems(tl):
-        raise ConfigError(f"invalid {mt} config: transformer_layer_config.{msg}", path=path,
+        raise ConfigError(f"invalid {mt} config: transformer_layer_config.{key}: {msg}", path=path,
                           key=f"transformer_layer_config.{key}")
     for k in ("dtype", "torch_dtype"):
         if raw.get(k) is not None and not one_of(raw[k], DTYPES):
