@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from specjax.commands.common import console, fail
+from specjax.commands.common import console, download_option, draft_dir, fail, fetch_target
 from specjax.sharding import cli as shcli
 
 
@@ -40,10 +40,10 @@ def bench_cmd(
                                 "save_to_disk directory, hf:<id>[:<config>][:<split>] or builtin:<set>[:<n>]; records: "
                                 "{prompt|text}, {conversations|messages} (up to the last user turn), {prompt_ids}"),
     target: str = typer.Option("default", "--target", "-t", help="'default' (embedded SmolLM2), a .gguf file, an HF "
-                               "model dir, or a cached HF repo id"),
+                               "model dir, or an HF repo id (local HF cache; --download fetches it)"),
     draft: str = typer.Option("self", "--draft", "-d",
-                              help="a speculators draft directory, or 'self' / 'self:M' (a draft from the target's "
-                                   "first M layers; 'self' = all layers, an oracle)"),
+                              help="a speculators draft directory or HF repo id, or 'self' / 'self:M' (a draft "
+                                   "from the target's first M layers; 'self' = all layers, an oracle)"),
     k: Optional[int] = typer.Option(None, "--k", min=1, help="draft tokens per round (default: the checkpoint's)"),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
@@ -70,6 +70,7 @@ def bench_cmd(
     coordinator: Optional[str] = shcli.coordinator_option(),
     num_processes: Optional[int] = shcli.num_processes_option(),
     process_id: Optional[int] = shcli.process_id_option(),
+    download: bool = download_option(),
 ):
     """Measure speculative decoding against the target alone: acceptance (tau, per position), tokens/s,
     speedup, the draft/target cost ratio c and the speedup the formula predicts from them."""
@@ -90,6 +91,8 @@ def bench_cmd(
         if draft_sampling not in ("greedy", "sample"):
             raise ValueError(f"--draft-sampling must be 'greedy' or 'sample', got {draft_sampling!r}")
         raw = bench_prompts(prompts, max_samples=max_samples, shuffle_seed=shuffle_seed)  # before any model loads
+        fetch_target(target, download=download)  # repo ids: into the local HF cache (only with --download)
+        draft = draft_dir(draft, download=download)
         if sharded:  # every parameter straight into its sharding
             lt = load_sharded(target, dev_mesh, dtype=dt, cache_dir=cache_dir, progress=progress)
         else:

@@ -1,4 +1,7 @@
-"""`specjax inspect | audit | convert`: the checkpoint bridge on the command line."""
+"""`specjax inspect | audit | convert`: the checkpoint bridge on the command line.
+
+A checkpoint (and a ``--verifier``) may be a Hub repo id: resolved from the local HF cache, or
+downloaded with ``--download`` / ``SPECJAX_ALLOW_DOWNLOAD=1`` (:mod:`specjax.hub`)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from specjax.commands.common import console, fail, human_bytes, parse_size
+from specjax.commands.common import console, download_option, fail, human_bytes, local_dir, parse_size
 
 
 def register(app: typer.Typer) -> None:
@@ -19,14 +22,16 @@ def register(app: typer.Typer) -> None:
 
 
 def inspect_cmd(
-    ckpt: Path = typer.Argument(..., help="speculators checkpoint directory"),
+    ckpt: Path = typer.Argument(..., help="speculators checkpoint directory, or a Hub repo id"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    download: bool = download_option(),
 ):
     """Summarise a checkpoint from its config and safetensors header (no tensor data read)."""
     import bridge
 
+    path = local_dir(ckpt, kind="checkpoint", download=download)
     try:
-        summary = bridge.summarize(ckpt)
+        summary = bridge.summarize(path)
     except bridge.BridgeError as e:
         fail(e, code=2)
     if as_json:
@@ -37,7 +42,8 @@ def inspect_cmd(
 
     s = summary
     c = console()
-    c.print(f"[bold]{escape(str(ckpt))}[/bold]: [cyan]{s['algorithm']}[/cyan] draft (speculators {s['speculators_version']})")
+    where = str(ckpt) if path == ckpt else f"{ckpt} ({path})"
+    c.print(f"[bold]{escape(where)}[/bold]: [cyan]{s['algorithm']}[/cyan] draft (speculators {s['speculators_version']})")
     c.print(f"  verifier            {escape(str(s['verifier']))} {escape(str(s['verifier_architectures']))}")
     c.print(f"  speculative tokens  {s['speculative_tokens']}")
     c.print(f"  aux layer ids       {escape(str(s['aux_layer_ids']))}")
@@ -58,15 +64,20 @@ def inspect_cmd(
 
 
 def audit_cmd(
-    ckpt: Path = typer.Argument(..., help="speculators checkpoint directory"),
-    verifier: Optional[Path] = typer.Option(None, "--verifier", help="target model directory to check against"),
+    ckpt: Path = typer.Argument(..., help="speculators checkpoint directory, or a Hub repo id"),
+    verifier: Optional[Path] = typer.Option(None, "--verifier", help="target model directory (or Hub repo id) to "
+                                                                     "check against"),
     deep: bool = typer.Option(False, "--deep", help="also scan tensor data for NaN / Inf"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
+    download: bool = download_option(),
 ):
     """Check the speculators format contract offline. Exit 0 clean, 1 errors, 2 unreadable."""
     import bridge
 
-    rep = bridge.audit(ckpt, verifier=verifier, deep=deep)
+    path = local_dir(ckpt, kind="checkpoint", download=download)
+    if verifier is not None:
+        verifier = local_dir(verifier, kind="verifier", download=download)
+    rep = bridge.audit(path, verifier=verifier, deep=deep)
     if as_json:
         print(json.dumps(rep.to_json(), indent=2))
         raise typer.Exit(rep.exit_code)
@@ -89,12 +100,13 @@ def audit_cmd(
 
 def convert_cmd(
     src: Path = typer.Argument(..., help="source checkpoint (speculators dir, specjax Orbax dir, or with --from a "
-                                         "third-party draft)"),
+                                         "third-party draft; or a Hub repo id of one)"),
     dst: Path = typer.Argument(..., help="output directory (must not exist unless --overwrite)"),
     to: Optional[str] = typer.Option(None, "--to", help="output format: orbax | speculators (with --from: speculators)"),
     from_: Optional[str] = typer.Option(None, "--from", help="third-party source: eagle3-safeailab | dflash-zlab | "
                                                             "mtp | auto (writes a speculators checkpoint)"),
-    verifier: Optional[str] = typer.Option(None, "--verifier", help="with --from: the verifier (target) directory"),
+    verifier: Optional[str] = typer.Option(None, "--verifier", help="with --from: the verifier (target) directory "
+                                                                    "or Hub repo id"),
     norm_before_residual: Optional[bool] = typer.Option(
         None, "--norm-before-residual/--no-norm-before-residual",
         help="eagle3-safeailab: first-layer residual is the normed hidden (default off, as SafeAILab trains)"),
@@ -111,6 +123,7 @@ def convert_cmd(
                                                      "before DST is put in place (mismatch: exit 1, nothing written)"),
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="e.g. 5GB: write sharded safetensors"),
     as_json: bool = typer.Option(False, "--json"),
+    download: bool = download_option(),
 ):
     """Round-trip conversion between speculators checkpoints and Orbax (--to), or a third-party
     draft into a speculators checkpoint (--from, audited before it is written). Atomic writes."""
@@ -141,6 +154,7 @@ def convert_cmd(
             raise typer.BadParameter("give --to orbax|speculators (round trip) or --from KIND (third-party draft)")
         from bridge.roundtrip import convert
 
+        src = local_dir(src, kind="checkpoint", download=download)  # after the arguments are checked
         try:
             res = convert(src, dst, to, overwrite=overwrite, check=check, max_shard_bytes=shard)
         except bridge.BridgeError as e:
@@ -157,6 +171,9 @@ def convert_cmd(
         raise typer.BadParameter(f"--from writes a speculators checkpoint; --to {to} does not apply")
     if check:
         raise typer.BadParameter("--check verifies --to round trips; --from conversions are audited automatically")
+    src = local_dir(src, kind="checkpoint", download=download)  # after the arguments are checked
+    if verifier is not None:
+        verifier = str(local_dir(verifier, kind="verifier", download=download))
     try:
         res = bridge.convert_external(str(src), from_, verifier, dst, overwrite=overwrite, max_shard_bytes=shard,
                                       **given)

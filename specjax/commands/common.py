@@ -39,3 +39,34 @@ def parse_size(text: str) -> int:
     if not m:
         raise typer.BadParameter(f"size {text!r}: expected e.g. 500MB, 5GB, 2GiB")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def download_option():
+    """``--download``: the explicit opt-in to fetch Hub repo ids that are not in the local HF cache."""
+    return typer.Option(False, "--download", help="download Hub repo ids that are not in the local HF cache "
+                                                  "(also SPECJAX_ALLOW_DOWNLOAD=1); without it nothing is downloaded")
+
+
+def local_dir(spec, *, kind: str, download: bool):
+    """``spec`` as a local path: a path as given, a Hub repo id from the local HF cache (downloaded
+    with ``--download``; :mod:`specjax.hub`). An unresolvable repo id prints its error and exits 2."""
+    from specjax import hub
+
+    try:
+        return hub.resolve(spec, kind=kind, download=download or None)
+    except hub.HubError as e:
+        fail(e, code=e.exit_code)
+
+
+def draft_dir(draft: str | None, *, download: bool) -> str | None:
+    """A ``--draft`` value with a repo id replaced by its local snapshot ('self' / 'self:M' kept)."""
+    if draft is None or draft == "self" or draft.startswith("self:"):
+        return draft
+    return str(local_dir(draft, kind="draft", download=download))
+
+
+def fetch_target(target: str | None, *, download: bool) -> None:
+    """With ``--download``: put a ``--target`` repo id into the local HF cache before the loader
+    (which reads the cache) runs."""
+    if download and target not in (None, "default"):
+        local_dir(target, kind="target", download=True)

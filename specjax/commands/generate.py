@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from specjax.commands.common import console, fail
+from specjax.commands.common import console, download_option, draft_dir, fail, fetch_target
 from specjax.sharding import cli as shcli
 
 
@@ -19,7 +19,8 @@ def register(app: typer.Typer) -> None:
 def generate_cmd(
     prompt: List[str] = typer.Option(..., "--prompt", "-p", help="prompt text (repeat for a batch)"),
     target: str = typer.Option("default", "--target", "-t",
-                               help="'default' (embedded SmolLM2), a .gguf file, an HF model dir, or a cached HF repo id"),
+                               help="'default' (embedded SmolLM2), a .gguf file, an HF model dir, or an HF repo id "
+                                    "(local HF cache; --download fetches it)"),
     chat: bool = typer.Option(False, "--chat", help="render each prompt as a user message with the chat template"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
@@ -31,8 +32,8 @@ def generate_cmd(
                                             help="cache a dequantised GGUF as an HF dir here (also SPECJAX_CACHE_DIR)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     draft: Optional[str] = typer.Option(None, "--draft", "-d",
-                                        help="speculative decoding with this draft: a speculators checkpoint dir, or "
-                                             "'self' / 'self:M' (the target's first M layers)"),
+                                        help="speculative decoding with this draft: a speculators checkpoint dir or HF "
+                                             "repo id, or 'self' / 'self:M' (the target's first M layers)"),
     k: Optional[int] = typer.Option(None, "--k", min=1, help="draft tokens per round (default: the checkpoint's)"),
     draft_sampling: str = typer.Option("greedy", "--draft-sampling",
                                        help="with --draft: greedy proposals (speculators default) | sample"),
@@ -42,6 +43,7 @@ def generate_cmd(
     coordinator: Optional[str] = shcli.coordinator_option(),
     num_processes: Optional[int] = shcli.num_processes_option(),
     process_id: Optional[int] = shcli.process_id_option(),
+    download: bool = download_option(),
 ):
     """Generate continuations with the target alone, or speculatively with --draft (either way the
     whole decode loop is one jit; speculative greedy output equals the target's)."""
@@ -50,6 +52,8 @@ def generate_cmd(
     from specjax.models.loading import load_target
     from specjax.sharding import describe, is_main_process, load_target as load_sharded
 
+    fetch_target(target, download=download)  # repo ids: into the local HF cache (only with --download)
+    draft = draft_dir(draft, download=download)
     try:
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
         t0 = time.perf_counter()

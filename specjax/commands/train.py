@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from specjax.commands.common import console, fail
+from specjax.commands.common import console, download_option, draft_dir, fail, fetch_target
 from specjax.sharding import cli as shcli
 
 
@@ -76,7 +76,7 @@ def train_help() -> str:
 
 
 def train_eval_cmd(
-    draft: Path = typer.Option(..., "--draft", "-d", help="an EAGLE-3 speculators checkpoint directory"),
+    draft: str = typer.Option(..., "--draft", "-d", help="an EAGLE-3 speculators checkpoint directory or HF repo id"),
     target: str = typer.Option("default", "--target", "-t"),
     prompts: str = typer.Option("builtin:eval-code:32", "--prompts", "-p",
                                 help="builtin:<set>[:<n>] or a JSONL prompt file (user turns, chat template)"),
@@ -84,6 +84,7 @@ def train_eval_cmd(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=2),
     batch_size: int = typer.Option(16, "--batch-size", min=1),
     as_json: bool = typer.Option(False, "--json"),
+    download: bool = download_option(),
 ):
     """Acceptance of an EAGLE-3 draft under greedy speculative decoding at k, computed exactly offline
     from the target's greedy continuations (tau = tokens per verify step, incl. the bonus token)."""
@@ -95,6 +96,8 @@ def train_eval_cmd(
 
     try:
         recs = resolve_prompts(prompts)  # checked before the target loads
+        fetch_target(target, download=download)  # repo ids: into the local HF cache (only with --download)
+        draft = draft_dir(draft, download=download)
         lt = load_target(target, progress=not as_json)
         model = load_draft(draft, lt.model)
         cfg = json.loads((Path(draft) / "config.json").read_text(encoding="utf-8"))

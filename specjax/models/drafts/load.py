@@ -118,8 +118,10 @@ def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifie
 
 def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit: bool = True,
                verifier_heads: bool = True, place: Place | None = None,
-               check: Callable[[nnx.Module], None] | None = None):
-    """A ready draft module from checkpoint ``path`` and its verifier ``target`` (an HF
+               check: Callable[[nnx.Module], None] | None = None, download: bool | None = None):
+    """A ready draft module from checkpoint ``path`` (a directory, or a Hub repo id: from the local
+    HF cache, downloaded only with ``download`` / ``SPECJAX_ALLOW_DOWNLOAD=1``, :mod:`specjax.hub`)
+    and its verifier ``target`` (an HF
     directory, a loaded specjax target model, or a ``{name: array}`` mapping). ``target=None``
     uses ``speculators_config.verifier.name_or_path`` when that directory exists (as
     speculators does); without any verifier every verifier-owned tensor must be in the
@@ -129,8 +131,9 @@ def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit
     ``place`` / ``check``: placement hooks (:func:`module_from_flat`); ``specjax.sharding.load_draft``
     passes a mesh's slice loader and the partition-rule check."""
     import bridge
+    from specjax import hub
 
-    path = Path(path)
+    path = hub.resolve(path, kind="draft", download=download)
     if audit:
         vdir = _verifier_dir(target)
         rep = bridge.audit(path, verifier=vdir)
