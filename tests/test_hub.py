@@ -206,3 +206,14 @@ def test_real_hub_client_from_env_cache_and_unreachable_hub(models, tmp_path):
     assert (f"cannot download checkpoint '{MISSING_ID}' from the Hub: the Hub at http://127.0.0.1:9 is unreachable "
             f"(ConnectError:" in r.stderr and f"`hf download {MISSING_ID}`" in r.stderr)
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 3, r.stderr
+
+
+def test_data_prepare_download_opt_in_offline(hf_cache, tmp_path):
+    """``data prepare --download`` checks its prompts, then meets the offline Hub: one message, nothing written."""
+    out = tmp_path / "data"
+    r = runner.invoke(app, ["data", "prepare", "--prompts", "builtin:stdlib:2", "--out", str(out),
+                            "--target", MISSING_ID, "--download"])
+    assert r.exit_code == 2, r.output
+    msg = " ".join(r.output.split())
+    assert f"cannot download target '{MISSING_ID}': huggingface_hub is in offline mode (HF_HUB_OFFLINE=1)" in msg
+    assert "Traceback" not in r.output and not out.exists()

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from specjax.commands.common import console, fail
+from specjax.commands.common import console, download_option, fail, fetch_target
 from specjax.sharding import cli as shcli
 
 data_app = typer.Typer(help="Training data: prompts, target-regenerated rows, hidden-state caches, t2d/d2t.",
@@ -35,9 +35,10 @@ def _log(msg: str) -> None:
         console(stderr=True).print(msg, style="dim")
 
 
-def _load_target(target: str, dev_mesh, progress: bool):
+def _load_target(target: str, dev_mesh, progress: bool, download: bool = False):
     """The target on ``dev_mesh`` (straight into its shardings) when it has several devices, else
-    on the default device."""
+    on the default device; with ``download`` a repo id is fetched into the HF cache first."""
+    fetch_target(target, download=download)
     if dev_mesh.size > 1:
         from specjax.sharding import load_target as load_sharded
 
@@ -83,6 +84,7 @@ def prepare_cmd(
     coordinator: Optional[str] = shcli.coordinator_option(),
     num_processes: Optional[int] = shcli.num_processes_option(),
     process_id: Optional[int] = shcli.process_id_option(),
+    download: bool = download_option(),
 ):
     """Prompts -> chat rows with assistant-only loss masks -> hidden states (speculators' layout).
 
@@ -130,7 +132,8 @@ def prepare_cmd(
                             max_samples=max_samples, shuffle_seed=shuffle_seed)
             records = spec_prompts(spec)  # the input checked before the target loads
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
-        lt = _load_target(target or "default", dev_mesh, progress=not as_json and is_main_process())
+        lt = _load_target(target or "default", dev_mesh, progress=not as_json and is_main_process(),
+                          download=download)
         if cfg is not None:
             spec = recipe_data_spec(cfg, lt.config.num_hidden_layers)
         res = prepare_data(out, spec, lt, progress=not as_json and is_main_process(), log=_log, records=records)
@@ -157,6 +160,7 @@ def extract_cmd(
     coordinator: Optional[str] = shcli.coordinator_option(),
     num_processes: Optional[int] = shcli.num_processes_option(),
     process_id: Optional[int] = shcli.process_id_option(),
+    download: bool = download_option(),
 ):
     """Write hidden_states/hs_{i}.safetensors for every row that lacks one (resumable).
 
@@ -170,7 +174,7 @@ def extract_cmd(
     try:
         rows = read_rows(data)
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
-        lt = _load_target(target, dev_mesh, progress=not as_json and is_main_process())
+        lt = _load_target(target, dev_mesh, progress=not as_json and is_main_process(), download=download)
         aux = _ids(aux_layer_ids) or default_aux_layer_ids(lt.config.num_hidden_layers)
         res = extract_hidden_states(lt.model, rows, data, aux_layer_ids=aux, dtype=hs_dtype,
                                     max_batch_tokens=max_batch_tokens, progress=not as_json, target_name=lt.source,
@@ -189,6 +193,7 @@ def vocab_cmd(
     draft_vocab_size: int = typer.Option(..., "--draft-vocab-size", min=1),
     target_vocab_size: Optional[int] = typer.Option(None, "--target-vocab-size", help="default: from --target"),
     target: str = typer.Option("default", "--target", "-t"),
+    download: bool = download_option(),
 ):
     """Token frequencies (token_freq.pt) and d2t-<N>.npy / t2d-<N>.npy, as speculators builds them."""
     from bridge.errors import BridgeError
@@ -207,6 +212,7 @@ def vocab_cmd(
         if target_vocab_size is None:
             from specjax.models.loading import load_target
 
+            fetch_target(target, download=download)
             target_vocab_size = load_target(target, progress=False).config.vocab_size
         d2t, t2d = build_vocab_mapping(freq, draft_vocab_size, target_vocab_size)
         pd, pt = save_vocab_mapping(data, d2t, t2d)
