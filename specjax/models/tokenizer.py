@@ -131,6 +131,7 @@ class Tokenizer:
         """transformers' ``PreTrainedTokenizerFast`` over (a copy of) this backend, with this chat
         template and these special tokens; imported on first use (it does not import torch)."""
         if self._chat is None:
+            _hide_no_torch_advice()
             from transformers import PreTrainedTokenizerFast
 
             self._chat = PreTrainedTokenizerFast(tokenizer_object=self.backend, chat_template=self.chat_template,
@@ -263,6 +264,23 @@ class Tokenizer:
         elif self.chat_template:
             cfg["chat_template"] = self.chat_template
         (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+class _NoTorchAdvice:
+    """Drops transformers' import-time "PyTorch was not found" advice: specjax uses only its
+    torch-free tokenizer and chat-template code, so the advice would only confuse a user."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+def _hide_no_torch_advice() -> None:
+    import logging
+
+    lib = logging.getLogger("transformers")  # the logger transformers configures and advises through
+    if not any(isinstance(f, _NoTorchAdvice) for f in lib.filters):
+        lib.addFilter(_NoTorchAdvice())
 
 
 def _dir_chat_template(d: Path, cfg: dict) -> str | dict[str, str] | None:
