@@ -34,8 +34,8 @@ class PlanError(ValueError):
 class Program:
     """One program to compile: ``lower()`` the whole program; ``step_lower()`` one loop iteration
     (loops only) for per-step figures. ``tokens``: tokens one call (or one step) processes;
-    ``resident``: bytes per chip a run holds outside this program (train: the target ``Run``
-    keeps loaded, the frozen tensors' float32 master copy)."""
+    ``resident``: bytes per chip a run holds on the device outside this program (none today: a
+    training ``Run`` keeps no target weights and its frozen tensors only as the step's argument)."""
 
     name: str
     shape: dict
@@ -166,14 +166,14 @@ def train_program(p: PlanInputs) -> Program:
         batch[key] = jax.ShapeDtypeStruct(shape, dt, sharding=sh.batch[key])
     batch["rng"] = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sh.batch["rng"])
 
-    # Run (specjax/train/trainer.py) loads the target onto the mesh by TARGET_RULES and keeps it, and
-    # keeps the frozen tensors in float32 beside the compute-dtype copy the step takes
-    target_state = nnx.state(abstract_target(p))
-    resident = per_chip_bytes(target_state) + per_chip_bytes(frozen_a)
+    # Run (specjax/train/trainer.py) trains from cached hidden states: the target's weights are not on
+    # the device (an HF target is never loaded when the data is cached; a loaded one is released once
+    # the draft is built), and the frozen tensors live on the device once, in the compute dtype, as
+    # the step's argument (their float32 originals stay on the host)
     return Program("train", {"rows": N, "seq": T, "algorithm": cfg.speculator_type,
                              "optimizer": o.optimizer}, lambda: fns.lower_train(params_a, opt_a, batch),
-                   tokens=N * T, resident_bytes=resident,
-                   notes=["resident: the target Run keeps loaded (TARGET_RULES) + float32 frozen tensors"])
+                   tokens=N * T, resident_bytes=0,
+                   notes=["nothing resident beside the step: no target weights, frozen tensors once (compute dtype)"])
 
 
 # ----------------------------------------------------------------------------- extract

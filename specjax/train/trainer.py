@@ -119,6 +119,8 @@ class Run:
             records = recipe_prompts(cfg)  # a bad prompt input fails here, before the target loads
         from specjax.models.loading import LoadedTarget, load_target
 
+        if target is None and not needs_prepare(cfg) and cfg.speculator_type != "mtp":
+            target = target_info_if_light(cfg.target)  # data cached: no target weights on the device
         if target is None:
             if self.mesh is not None:  # straight into its shardings (TARGET_RULES): no full copy on one device
                 from specjax.sharding import load_target as load_sharded
@@ -126,7 +128,7 @@ class Run:
                 target = load_sharded(cfg.target, self.mesh, progress=self.progress)
             else:
                 target = load_target(cfg.target, progress=self.progress)
-        elif not isinstance(target, LoadedTarget):
+        elif not isinstance(target, (LoadedTarget, TargetInfo)):
             raise TrainError("target must be a LoadedTarget")
         self.target = target
         tc = target.config
@@ -275,7 +277,9 @@ class Run:
             from specjax.train.mtp_init import apply_mtp_init
 
             hook = lambda flat: apply_mtp_init(flat, self.target, cfg.mtp.init)  # noqa: E731
-        self.draft_cfg, model = init_draft(self.config_doc, self.target.model, seed=cfg.seed, t2d=self.t2d,
+        # the verifier's embedding / head: from the loaded model, else read from its checkpoint files
+        source = self.target.model if self.target.model is not None else self.target.source
+        self.draft_cfg, model = init_draft(self.config_doc, source, seed=cfg.seed, t2d=self.t2d,
                                            d2t=self.d2t, flat_hook=hook)
         graphdef, params, frozen = nnx.split(model, nnx.All(nnx.Param, trainable_filter_for(cfg.speculator_type)),
                                              ...)
@@ -297,6 +301,13 @@ class Run:
             self.frozen = frozen = sharded.place(frozen, sh.frozen)
             opt_state = jax.jit(self.tx.init, out_shardings=sh.opt_state)(params)
         self.fns = make_step_fns(graphdef, frozen, self.tx, cfg, self.shardings)
+        # The step holds the frozen tensors (the verifier's embedding / head) once, in the compute
+        # dtype (fns.frozen); their float32 originals go to the host, for exports, instead of
+        # staying on the device beside that copy.
+        from specjax.train import sharded
+
+        self.frozen = sharded.to_host_tree(frozen)
+        del frozen
         return params, opt_state
 
     def model_of(self, params):
@@ -437,6 +448,9 @@ class Run:
             self.out.mkdir(parents=True, exist_ok=True)
         sync("specjax-train-start")
         params, opt_state = self.build_state()
+        # Training reads cached hidden states: the target's weights are not needed on the device any
+        # more (its config and tokenizer stay). A caller that passed target= keeps its own reference.
+        self.target = TargetInfo.of(self.target)
         mngr = self._manager()
         start, best = 0, {"val_loss": None, "step": None}
         if self.resume and main:
@@ -561,6 +575,34 @@ def _agree(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+class TargetInfo:
+    """What a run needs of its target once the draft is initialised: config, tokenizer, source."""
+
+    model = None
+
+    def __init__(self, config, tokenizer, source):
+        self.config, self.tokenizer, self.source = config, tokenizer, source
+
+    @classmethod
+    def of(cls, target) -> "TargetInfo":
+        return target if isinstance(target, TargetInfo) else cls(target.config, getattr(target, "tokenizer", None),
+                                                                 getattr(target, "source", None))
+
+
+def target_info_if_light(target) -> TargetInfo | None:
+    """A :class:`TargetInfo` (config and tokenizer, no weights) for a target given as an HF checkpoint
+    (a directory or a cached repo id), whose verifier tensors ``init_draft`` can then read from the
+    files one at a time; None for a GGUF file (dequantised whole: load it)."""
+    from specjax.models.config import TargetConfig
+    from specjax.models.loading import resolve_target
+    from specjax.models.tokenizer import Tokenizer
+
+    kind, path = resolve_target(target)
+    if kind not in ("hf_dir", "hf_cache"):
+        return None
+    return TargetInfo(TargetConfig.from_file(Path(path) / "config.json"), Tokenizer.from_dir(path), str(path))
 
 
 def partial_saves(ckpt_dir: Path) -> list[Path]:

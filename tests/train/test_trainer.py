@@ -230,3 +230,23 @@ def test_log_to_tensorboard_records_what_metrics_jsonl_holds(tmp_path, tiny_data
     assert sorted(s for t, s in points if t == "train/loss") == [1, 2, 3]
     for r in train_recs:
         assert points[("train/loss", r["step"])] == pytest.approx(r["loss"], rel=1e-6)
+
+
+def test_cached_data_trains_without_the_target_on_the_device(tmp_path, tiny_data, tiny_target, tiny_target_dir):
+    """With the data already cached and an HF target, Run loads only the target's config and tokenizer;
+    the verifier's embedding / head are read from its files. Same draft, bit for bit, as a run given
+    the loaded target; and the loaded target is let go once the draft is built."""
+    extra = ("trainer.max_steps=3", f"target={tiny_target_dir}")
+    light = Run(recipe(tiny_data, tmp_path / "light", *extra), progress=False)
+    assert light.target.model is None
+    light.train()
+    full = Run(recipe(tiny_data, tmp_path / "full", *extra), target=tiny_target, progress=False)
+    assert full.target.model is not None
+    full.train()
+    assert full.target.model is None  # released after build_state (the caller's tiny_target is untouched)
+    assert tiny_target.model is not None
+    for a, b in zip(_leaves(light.params), _leaves(full.params)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(light.frozen), jax.tree.leaves(full.frozen)):
+        assert isinstance(a, np.ndarray)  # the float32 frozen tensors live on the host
+        np.testing.assert_array_equal(a, b)
