@@ -17,6 +17,10 @@ abstract mesh set with ``jax.set_mesh`` (it carries the device kind); else the p
 default device (``jax.config.jax_default_device`` or ``jax.devices()[0]``), which is where a
 program with uncommitted inputs runs.
 
+``building_for(mesh)`` with a ``Mesh`` also records it (:func:`mesh`): the TPU attention kernels
+(:mod:`specjax.kernels.tpu`) are Mosaic programs XLA cannot partition, so under a mesh they run
+inside ``shard_map`` over it.
+
 Trace caches: the answer is read at trace time and is not part of ``jax.jit``'s cache key, so a
 jitted function that may be traced for two platforms takes the platform as a static argument or
 is built per mesh (the mesh holds the devices), as the project's entry points do.
@@ -29,6 +33,7 @@ import contextvars
 from typing import Any, Iterator
 
 _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("specjax_platform", default=None)
+_MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("specjax_mesh", default=None)
 
 
 def _device_platform(d) -> str:
@@ -96,6 +101,12 @@ def platform() -> str:
     return default_platform()
 
 
+def mesh():
+    """The ``Mesh`` given to the innermost :func:`building_for` (None when that was not a mesh).
+    Kernels that XLA cannot partition (Pallas/Mosaic) run inside ``shard_map`` over it."""
+    return _MESH.get()
+
+
 def is_cpu() -> bool:
     return platform() == "cpu"
 
@@ -108,8 +119,12 @@ def building_for(where: Any) -> Iterator[str]:
     if p is None:
         yield platform()
         return
+    import jax
+
     token = _PLATFORM.set(p)
+    mtoken = _MESH.set(where if isinstance(where, jax.sharding.Mesh) else None)
     try:
         yield p
     finally:
+        _MESH.reset(mtoken)
         _PLATFORM.reset(token)

@@ -210,8 +210,14 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, bias=None):
 
 def write_cache(buf, positions, rows):
     """Heads-major KV cache write. buf [B, Hkv, S, D]; positions int [B, T]; rows [B, T, Hkv, D]
-    -> buf with row t of sequence b at slot ``positions[b, t]`` (slots past S are dropped)."""
+    -> buf with row t of sequence b at slot ``positions[b, t]`` (slots past S are dropped).
+
+    Off the CPU the heads stay a window of the scatter (indices (b, slot) only): a cache whose
+    heads are sharded over a mesh axis is then written shard by shard. Indexing the heads too (the
+    CPU form, same values) makes XLA's partitioner all-gather every head's rows and indices first."""
     B, H = buf.shape[:2]
+    if not placement.is_cpu():
+        return buf.at[jnp.arange(B)[:, None], :, positions].set(rows.astype(buf.dtype), mode="drop")
     b = jnp.arange(B)[:, None, None]
     h = jnp.arange(H)[None, :, None]
     return buf.at[b, h, positions[:, None, :]].set(jnp.swapaxes(rows, 1, 2).astype(buf.dtype), mode="drop")

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
 from specjax.models.errors import ContextLengthError, TapIdError, UnknownArchitectureError
 from specjax.models import panels
@@ -189,6 +190,9 @@ class CausalLM(nnx.Module):
             kv_pos = ar
             q_pos = jnp.broadcast_to(ar, (B, T))
             kv_valid = None if attention_mask is None else attention_mask.astype(bool)
+        # TPU programs attend on the Pallas kernels (no [T, S] mask is built); the XLA path below
+        # is the reference and every other platform's
+        pallas = kt.attention_impl() == "pallas"
         masks = {}
 
         def mask_for(w):
@@ -206,20 +210,29 @@ class CausalLM(nnx.Module):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            w = layer.sliding_window
             if packed:
                 new_k.append(write_packed(cache.k[i], seg, kv_pos, k[0]))
                 new_v.append(write_packed(cache.v[i], seg, kv_pos, v[0]))
-                o = attend(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)
+                if pallas:  # exact: a sequence's tokens are contiguous in the row, at consecutive positions
+                    o = kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, segment_ids=seg[None]),
+                                         scale=attn.scaling)
+                else:
+                    o = attend(q, k, v, mask_for(w), scale=attn.scaling)
             elif cache is not None:
                 k, v = write_cache(cache.k[i], positions, k), write_cache(cache.v[i], positions, v)
                 new_k.append(k)
                 new_v.append(v)
-                if panels.attention_fits(attn.q_proj, q, k):
-                    o = panels.decode_attention(q, k, v, positions, window=layer.sliding_window, scale=attn.scaling)
+                if pallas:  # reads only the cache blocks at or before each query's position
+                    o = kt.cache_attention(q, k, v, *kt.position_ranges(positions, w), scale=attn.scaling)
+                elif panels.attention_fits(attn.q_proj, q, k):
+                    o = panels.decode_attention(q, k, v, positions, window=w, scale=attn.scaling)
                 else:
-                    o = attend_cache(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)
+                    o = attend_cache(q, k, v, mask_for(w), scale=attn.scaling)
+            elif pallas:
+                o = kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, kv_valid=kv_valid), scale=attn.scaling)
             else:
-                o = attend(q, k, v, mask_for(layer.sliding_window), scale=attn.scaling)
+                o = attend(q, k, v, mask_for(w), scale=attn.scaling)
             x = x + attn.output(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if n in taps:

@@ -10,12 +10,16 @@ plan``) takes the Pallas kernels, the same code on the CPU takes XLA.
   (decode, speculative verify, prefill into the cache, draft chain steps).
 
 Both take ``impl`` (``"pallas"`` | ``"xla"``, default :func:`attention_impl`) and ``mesh`` (default
-the one set with ``jax.set_mesh`` around the trace): under a mesh the Pallas kernels run inside
+the one set with ``jax.set_mesh`` around the trace, else the one given to
+``placement.building_for``): under a mesh the Pallas kernels run inside
 ``jax.shard_map`` (batch over ``data``/``fsdp``, kv heads over ``tensor``), because XLA cannot
 partition a Mosaic kernel.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +30,7 @@ from specjax.kernels.tpu.masks import MaskSpec, dense_mask
 from specjax.kernels.tpu.splash import check_qkv, mesh_specs, sharded_flash_attention, flash_attention
 
 IMPLS = ("xla", "pallas")
+_INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar("specjax_pallas_interpret", default=False)
 
 
 class AttentionImplError(ValueError):
@@ -36,8 +41,21 @@ def attention_impl(where=None) -> str:
     """``"pallas"`` when the program is built for a TPU, else ``"xla"``. ``where``: a Mesh,
     Sharding, Device, arrays or a platform name (``placement.platform_of``); default the
     platform of the program being traced (``placement.platform()``)."""
+    if _INTERPRET.get():
+        return "pallas"
     p = placement.platform_of(where) if where is not None else None
     return "pallas" if (p or placement.platform()) == "tpu" else "xla"
+
+
+@contextlib.contextmanager
+def pallas_interpret():
+    """Within the block :func:`attention_impl` answers ``"pallas"`` whatever the platform and the
+    kernels run in Pallas interpret mode: the models' TPU attention path, run on the CPU (tests)."""
+    token = _INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
 
 
 def _impl(impl, mesh) -> str:
@@ -48,11 +66,14 @@ def _impl(impl, mesh) -> str:
 
 
 def ambient_mesh(mesh=None):
-    """``mesh``, else the mesh set with ``jax.set_mesh`` around the trace (None when none is)."""
+    """``mesh``, else the mesh set with ``jax.set_mesh`` around the trace, else the one the jit
+    boundary gave ``placement.building_for`` (None when there is none)."""
     if mesh is not None:
         return mesh
     am = jax.sharding.get_abstract_mesh()
-    return None if am is None or am.empty else am
+    if am is not None and not am.empty:
+        return am
+    return placement.mesh()
 
 
 def tpu_attention(q, k, v, *, mask_spec: MaskSpec, scale: float | None = None, mesh=None, impl: str | None = None,
@@ -60,6 +81,7 @@ def tpu_attention(q, k, v, *, mask_spec: MaskSpec, scale: float | None = None, m
     """q [B, T, Hq, D]; k, v [B, S, Hkv, D] -> [B, T, Hq, D]; visibility from ``mask_spec``."""
     mesh = ambient_mesh(mesh)
     impl = _impl(impl, mesh)
+    interpret = interpret or _INTERPRET.get()
     if impl == "xla":
         check_qkv(q, k, v)
         m = dense_mask(mask_spec, q.shape[1], k.shape[1])
@@ -85,6 +107,7 @@ def cache_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: b
     the ranges touch (see :mod:`specjax.kernels.tpu.decode`)."""
     mesh = ambient_mesh(mesh)
     impl = _impl(impl, mesh)
+    interpret = interpret or _INTERPRET.get()
     if impl == "xla":
         S = k.shape[1] if seq_major else k.shape[2]
         kk, vv = (k, v) if seq_major else (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))

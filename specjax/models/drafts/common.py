@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.kernels import tpu as kt
+from specjax.kernels.tpu.decode import LANES
 from specjax.models import panels
 from specjax.models.drafts.spec import DecoderSpec
 from specjax.models.layers import INIT_STD, Embed, RMSNorm, attend, dense, first_argmax
@@ -110,6 +112,11 @@ def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=N
     ``mask`` as one slot range per query; with a cache in the decode-time panel view
     (:func:`specjax.models.panels.attention_fits`) attention runs on the native kernel over only
     those slots instead of scoring every slot of the cache.
+
+    In a TPU program (``kt.attention_impl() == "pallas"``) attention runs on the Pallas kernels:
+    ``ranges`` with a cache on the decode kernel (only the blocks in range are read), otherwise
+    the flash kernel with ``mask`` as a :class:`~specjax.kernels.tpu.MaskSpec` (``mask`` may be
+    one already: the training masks, built without their dense ``[T, S]`` form).
     """
     if query_rows is None:
         q, k, v = attn.project(x_in)
@@ -129,6 +136,9 @@ def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=N
         vv = jnp.concatenate([p[1] for p in kv_prefix] + [v], axis=1)
     else:
         kk, vv = k, v
+    if isinstance(mask, kt.MaskSpec) or kt.attention_impl() == "pallas":
+        return attn.output(_tpu_attention(attn, q, kk, vv, mask, ranges if cache is not None else None,
+                                          zero_empty_rows)), (k, v), new_cache
     if cache is not None and ranges is not None and panels.attention_fits(attn.q_proj, q, kk):
         return attn.output(panels.range_attention(q, kk, vv, *ranges, scale=attn.scaling, seq_major=True)), (k, v), \
             new_cache
@@ -136,6 +146,20 @@ def attention(attn, x_in, cos, sin, mask, *, kv_prefix=None, cache=None, slots=N
     if zero_empty_rows and mask is not None:
         o = jnp.where(jnp.moveaxis(mask.any(-1), 1, -1)[..., None], o, 0)
     return attn.output(o), (k, v), new_cache
+
+
+def _tpu_attention(attn, q, kk, vv, mask, ranges, zero_empty_rows: bool):
+    """:func:`attention`'s TPU path. q [B, n, Hq, D]; kk, vv [B, S, Hkv, D] (seq-major: a
+    DraftCache or the concatenated training keys); ``mask`` a MaskSpec or a bool [B, 1, n, S]."""
+    if ranges is not None and (vv.shape[2] == 1 or q.shape[-1] % LANES == 0):
+        return kt.cache_attention(q, kk, vv, *ranges, scale=attn.scaling, seq_major=True)
+    spec = mask if isinstance(mask, kt.MaskSpec) else kt.dense(mask)
+    o = kt.tpu_attention(q, kk, vv, mask_spec=spec, scale=attn.scaling)
+    if zero_empty_rows:
+        if spec.kind != "dense":
+            raise kt.MaskSpecError(f"zero_empty_rows needs the mask's rows: a dense spec, got {spec.kind!r}")
+        o = jnp.where(spec.dense.any(-1)[:, :, None, None], o, 0)
+    return o
 
 
 def mlp_block(layer, x):

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.kernels import tpu as kt
 from specjax.models.drafts.common import (
     DraftCache, TargetTaps, d2t_of, greedy, init_vocab, last_valid, mlp_block, verifier_targets, write_rows,
 )
@@ -114,7 +115,9 @@ class DFlashDraft(TargetTaps, nnx.Module):
         return apply_rope(k, cos, sin), v
 
     def _blocks(self, noise, qcos, qsin, ctx_kvs, masks):
-        """Run the layers on block states ``noise`` [B, Q, H] against per-layer context K/V."""
+        """Run the layers on block states ``noise`` [B, Q, H] against per-layer context K/V. In a
+        TPU program the (runtime) masks go to the flash kernel's dense-mask path."""
+        pallas = kt.attention_impl() == "pallas"
         for layer, (kc, vc), m in zip(self.layers, ctx_kvs, masks):
             attn = layer.self_attn
             x = layer.input_layernorm(noise)
@@ -123,7 +126,9 @@ class DFlashDraft(TargetTaps, nnx.Module):
             kn = apply_rope(kn, qcos, qsin)
             k = jnp.concatenate([kc.astype(kn.dtype), kn], axis=1)
             v = jnp.concatenate([vc.astype(vn.dtype), vn], axis=1)
-            noise = mlp_block(layer, noise + attn.output(attend(q, k, v, m, scale=attn.scaling)))
+            o = (kt.tpu_attention(q, k, v, mask_spec=kt.dense(m), scale=attn.scaling) if pallas
+                 else attend(q, k, v, m, scale=attn.scaling))
+            noise = mlp_block(layer, noise + attn.output(o))
         return self.norm(noise)
 
     def targets(self, verifier_last_hidden_states):

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.kernels import tpu as kt
 from specjax.models.drafts.common import (
     DraftCache, TargetTaps, attention, cache_mask, cache_range, d2t_of, greedy, init_vocab, last_rows, last_valid,
     mlp_block, take_rows, verifier_targets,
@@ -247,12 +248,15 @@ class Eagle3Draft(ChainProposer, nnx.Module):
         h = self.project_aux(hidden_states)
         ids0 = input_ids
         ids = input_ids
+        pallas = kt.attention_impl() == "pallas"
         prefixes = [[] for _ in self.layers]
         all_logits, all_hidden = [], []
         for s in range(ttt_steps):
             e = self.embed(ids)
             cos, sin = rope_cos_sin(position_ids + s, self.spec.rope, dtype=h.dtype)
-            mk = {w: ttt_mask(document_ids, w, s) for w in self.spec.distinct_windows}
+            # TPU programs: the flash kernel takes the mask as structure + segment ids, never [T, (s+1)T]
+            mk = {w: (kt.ttt(document_ids, window=w, steps_before=s) if pallas else ttt_mask(document_ids, w, s))
+                  for w in self.spec.distinct_windows}
             masks = [mk[w] for w in self.spec.windows]
             out, new_kv, _ = self._layers(e, h, cos, sin, masks, prefixes=prefixes)
             for i, kv in enumerate(new_kv):

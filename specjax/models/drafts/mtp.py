@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.kernels import tpu as kt
 from specjax.models.drafts.common import (
     DraftCache, attention, cache_mask, cache_range, init_vocab, mlp_block, take_rows,
 )
@@ -78,6 +79,15 @@ def packed_causal_mask(position_ids, attention_mask=None):
         seq = jnp.cumsum(diff != 1, axis=-1)
         m &= seq[:, :, None] == seq[:, None, :]
     return m[:, None]
+
+
+def packed_causal_spec(position_ids, attention_mask=None):
+    """:func:`packed_causal_mask` as a :class:`~specjax.kernels.tpu.MaskSpec` (TPU programs):
+    causal by index, with the sequences as segment ids, or ``attention_mask`` as valid keys."""
+    if attention_mask is not None:
+        return kt.causal(kv_valid=attention_mask)
+    diff = jnp.diff(position_ids, axis=-1, prepend=position_ids[:, :1] - 1)
+    return kt.causal(segment_ids=jnp.cumsum(diff != 1, axis=-1))
 
 
 class MTPDraft(ChainProposer, nnx.Module):
@@ -131,7 +141,8 @@ class MTPDraft(ChainProposer, nnx.Module):
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(T), (B, T))
         pos = position_ids[:, :Tv]
-        mask = packed_causal_mask(pos, None if attention_mask is None else attention_mask[:, :Tv])
+        am = None if attention_mask is None else attention_mask[:, :Tv]
+        mask = packed_causal_spec(pos, am) if kt.attention_impl() == "pallas" else packed_causal_mask(pos, am)
         cos, sin = rope_cos_sin(pos, self.spec.rope, dtype=hidden_states.dtype)
         cur = hidden_states
         logits, hidden, labels = [], [], []
