@@ -21,6 +21,7 @@ from bridge.atomic import atomic_dir, atomic_file
 from bridge.contract import FLOAT, FLOAT_TAGS, expected_tensors, open_prefixes
 from bridge.vocab_maps import vocab_map_problems
 from bridge.errors import ConfigContractError, TensorMismatchError
+from bridge.progress import byte_bar
 from bridge.safetensors_io import DTYPES, TensorStore, dtype_tag, open_tensors, write_tensors_into
 from bridge.schema import CONFIG_NAME, DraftConfig, aux_id_problems, dumps_config, read_config
 
@@ -156,7 +157,7 @@ def save_checkpoint(out: str | Path, config: DraftConfig | dict, tree: Mapping |
         check_tensors(config, {n: _Info(a) for n, a in tensors.items()}, where=str(out))
     meta = {"format": "pt"} if metadata is None else dict(metadata)
     total = sum(a.nbytes for a in tensors.values())
-    bar = _bar(total, f"writing {Path(out).name}", progress)
+    bar = byte_bar(total, f"writing {Path(out).name}", progress)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         with atomic_file(tmp / CONFIG_NAME, text=True) as f:
             f.write(dumps_config(config, explicit=explicit_config))
@@ -170,11 +171,3 @@ class _Info:
     def __init__(self, a):
         self.shape = tuple(a.shape)
         self.dtype = dtype_tag(a.dtype)
-
-
-def _bar(total: int, desc: str, progress: bool | None):
-    if progress is False or (progress is None and total < (256 << 20)):
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from bridge import layout
+from bridge.progress import byte_bar
 
 CHUNK_BYTES = 64 << 20
 ALIGN = 4096
@@ -85,11 +86,10 @@ def tree_to_device(ckpt, *, sharding: Any = None, dtype: Any = None, progress: b
     import jax
     import jax.numpy as jnp
 
-    from bridge.checkpoint import _bar
 
     store = ckpt.store
     table = layout.TABLES[ckpt.config.speculators_model_type]
-    bar = _bar(store.total_bytes, "loading", progress)
+    bar = byte_bar(store.total_bytes, "loading", progress)
 
     def target_dtype(src_dtype):
         is_float = src_dtype.kind == "f" or src_dtype.name == "bfloat16"

@@ -4,6 +4,20 @@ Public entry points are imported lazily so ``import specjax`` stays cheap:
 ``specjax.generate(prompts, target="default", ...)``, ``specjax.speculative_generate(prompts,
 target=..., draft=...)``, ``specjax.load_target(...)`` and ``specjax.load_draft(...)``
 (training: ``specjax.train.train(cfg)``).
+
+Layers, lowest first; a module imports only from its own layer or lower ones (enforced by
+``tests/test_layers.py``, which also refuses import cycles)::
+
+    0  bridge/                     speculators format: json, safetensors, numpy (no specjax import)
+    1  specjax.paths, placement,   where things live, which platform a program is built for,
+       processes, hub              which process this is, hub ids
+    2  specjax.kernels             native CPU kernels, Pallas TPU kernels
+    3  specjax.models              Flax modules: layers, targets, drafts, their loaders
+    4  specjax.sharding            meshes, partition rules, sharded loading
+    5  specjax.decode              the jitted generate / speculative loops, bench
+    6  specjax.train               data, hidden states, losses, the trainer, export
+    7  specjax.plan                deviceless TPU compiles of the programs above
+    8  specjax.commands, cli       the typer front end
 """
 
 from __future__ import annotations

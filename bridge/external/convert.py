@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from bridge.atomic import atomic_dir
-from bridge.errors import BridgeError, WriteError
+from bridge.auditor import audit as audit_checkpoint
+from bridge.checkpoint import save_checkpoint
+from bridge.errors import BridgeError, TensorMismatchError, WriteError
 from bridge.external import dflash_zlab, eagle3_safeailab, mtp_native
 from bridge.external.common import Plan
 from bridge.external.errors import ExternalAuditError, ExternalSourceError, UnrecognizedSourceError
 from bridge.external.source import Source, open_source, open_verifier
+from bridge.schema import parse_config
 
 CONVERTERS = {m.KIND: m for m in (eagle3_safeailab, dflash_zlab, mtp_native)}
 SOURCES = tuple(CONVERTERS)  # eagle3-safeailab, dflash-zlab, mtp
@@ -124,23 +127,21 @@ def convert_external(src: str | os.PathLike, algorithm: str | None, verifier: st
     (``bridge.audit`` with the verifier), and renamed into place only if the audit has no
     errors; any failure leaves nothing at ``out``.
     """
-    import bridge
-
     out = Path(out)
     if out.exists() and not overwrite:
         raise WriteError("destination exists; pass --overwrite (overwrite=True) to replace it", path=str(out))
     kind, detected, plan = plan_external(src, algorithm, verifier, **options)
-    cfg = bridge.parse_config(plan.config, path=str(out / "config.json"))
+    cfg = parse_config(plan.config, path=str(out / "config.json"))
     report = None
     with atomic_dir(out, overwrite=overwrite) as tmp:
         try:
-            bridge.save_checkpoint(tmp, cfg, flat=plan.tensors, overwrite=True, metadata={"format": "pt"},
+            save_checkpoint(tmp, cfg, flat=plan.tensors, overwrite=True, metadata={"format": "pt"},
                                    max_shard_bytes=max_shard_bytes)
-        except bridge.TensorMismatchError as e:  # the contract check inside save: name the real destination
+        except TensorMismatchError as e:  # the contract check inside save: name the real destination
             raise ExternalSourceError(f"the converted {kind} tensors do not match the config: "
                                       f"{str(e).split(': ', 1)[-1]}", path=str(out), key=e.key) from e
         if audit:
-            report = bridge.audit(tmp, verifier=Path(str(verifier)))
+            report = audit_checkpoint(tmp, verifier=Path(str(verifier)))
             if report.exit_code:
                 msgs = "; ".join(f"[{f.rule}] {f.message}" for f in report.errors[:6]) or report.unreadable
                 raise ExternalAuditError(f"the converted {kind} checkpoint fails the audit, nothing written: {msgs}",

@@ -118,6 +118,8 @@ class Dense(nnx.Linear):
     """``nnx.Linear`` that runs on the panel kernel when its kernel is a decode-time
     :class:`specjax.models.panels.Paneled` and the input fits it (a few float32 rows on the CPU)."""
 
+    panel_param = "kernel"  # panels.packable packs this param (panels does not import layers)
+
     def __call__(self, inputs, out_sharding=None):
         wp = panels.panels_for(self.kernel.get_value(), inputs, dtype=self.dtype, out_sharding=out_sharding)
         if wp is None:

@@ -130,7 +130,7 @@ def load_target(target: str | os.PathLike | None = None, *, dtype=None, cache_di
     writer = True  # whether this process may write the cache
     if cdir is not None:
         if _multi_process():  # process 0 alone writes the cache; the others wait, then read it
-            from specjax.sharding.distributed import is_main_process, sync
+            from specjax.processes import is_main_process, sync
 
             writer = is_main_process()
             try:

@@ -212,15 +212,16 @@ class Paneled:
 
 def packable(root) -> dict:
     """State paths of ``root`` to pack: ``{path: "kernel" | "embedding"}`` for every ``Dense``
-    kernel (float32, 2-D, output dim a multiple of 16) and every tied target LM head's embedding."""
-    from specjax.models.layers import Dense
+    kernel (float32, 2-D, output dim a multiple of 16) and every tied target LM head's embedding.
+    A ``Dense`` is recognised by its ``panel_param`` class attribute (layers imports panels, not
+    the other way round)."""
 
     def ok(a, n):
         return a.ndim == 2 and a.dtype == jnp.float32 and panel_width(a.shape[n]) is not None
 
     out = {}
     for path, node in nnx.iter_graph(root):
-        if isinstance(node, Dense):
+        if getattr(node, "panel_param", None) == "kernel":
             if ok(node.kernel.get_value(), 1):
                 out[tuple(path) + ("kernel",)] = "kernel"
         elif getattr(node, "lm_head", 0) is None and hasattr(node, "model") and hasattr(node.model, "embed_tokens"):

@@ -15,8 +15,9 @@ See docs/sharding.md.
 
 from specjax.sharding.apply import (  # noqa: F401
     BATCH, abstract_with_shardings, batch_sharding, batch_shardings, batch_spec, constrain_cache, kv_cache_sharding,
-    mesh_of, pad_batch, put, put_local_batch, replicated, shard_params, sharded_jit, shardings_of, to_host,
+    mesh_of, pad_batch, put, put_local_batch, replicated, shard_params, sharded_jit, shardings_of,
 )
+from specjax.processes import to_host  # noqa: F401
 from specjax.sharding.distributed import (  # noqa: F401
     initialize, is_main_process, main_print, process_count, process_index, shutdown, sync,
 )

@@ -3,7 +3,7 @@
 Everything here works unchanged on one device, on 8 fake CPU devices, and across processes
 (``jax.distributed``): host values go in with :func:`put` (every process passes the same full
 value; each keeps only its devices' slices) or :func:`put_local_batch` (each process passes
-its own rows), and come back with :func:`to_host`.
+its own rows), and come back with :func:`specjax.processes.to_host`.
 """
 
 from __future__ import annotations
@@ -148,15 +148,6 @@ def put_local_batch(tree, mesh: Mesh):
         return jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec(x.ndim)), x)
 
     return jax.tree.map(one, tree)
-
-
-def to_host(x) -> np.ndarray:
-    """The full value of a (possibly multi-process) array on every process."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
 
 
 def abstract_with_shardings(tree, shardings):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+from specjax.processes import is_main_process, process_count, process_index, sync  # noqa: F401 (re-exported)
 from specjax.sharding.errors import DistributedConfigError
 
 ENV_COORDINATOR = ("SPECJAX_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
@@ -94,34 +95,7 @@ def shutdown() -> None:
         jax.distributed.shutdown()
 
 
-def process_index() -> int:
-    import jax
-
-    return jax.process_index()
-
-
-def process_count() -> int:
-    import jax
-
-    return jax.process_count()
-
-
-def is_main_process() -> bool:
-    """True on process 0 (the one that writes files and prints progress); always True single-process."""
-    return process_index() == 0
-
-
 def main_print(*args, **kwargs) -> None:
     """``print`` on process 0 only."""
     if is_main_process():
         print(*args, **kwargs)
-
-
-def sync(name: str = "specjax") -> None:
-    """Barrier across processes (no-op single-process), e.g. after process 0 wrote a file."""
-    import jax
-
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)

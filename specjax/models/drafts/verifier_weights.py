@@ -136,7 +136,7 @@ class VerifierSource:
             table[name] = (var, kind)
 
         def get(n):
-            from specjax.sharding.apply import to_host  # the full value, even of a multi-process array
+            from specjax.processes import to_host  # the full value, even of a multi-process array
 
             var, kind = table[n]
             a = to_host(var.get_value())
