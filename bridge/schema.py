@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError, model_validator
 
 from bridge.errors import CheckpointNotFoundError, ConfigError, UnknownModelTypeError
 from bridge.hf_values import DTYPES, layer_problems, one_of
@@ -33,17 +33,6 @@ class ProposalMethod(_Strict):
     speculative_tokens: int = Field(5, ge=1)
     verifier_accept_k: int = Field(1, ge=1)
     accept_tolerance: float = Field(0.0, ge=0.0)
-
-    @field_validator("verifier_accept_k")
-    @classmethod
-    def _sane_top_k(cls, k, info):
-        # verifier_accept_k > 1 is a lossy relaxation the auditor warns about; beyond the number of
-        # proposed tokens it is no longer a setting anyone meant
-        n = info.data.get("speculative_tokens")
-        if n is not None and k > n:
-            raise ValueError(f"verifier_accept_k {k} exceeds speculative_tokens {n}; expected 1 (exact) or a small "
-                             "lossy top-k")
-        return k
 
 
 class VerifierBinding(_Strict):
@@ -347,6 +336,13 @@ def parse_config(raw: Any, *, path: str | None = None) -> DraftConfig:
         if raw.get(k) is not None and not one_of(raw[k], DTYPES):
             raise ConfigError(f"{k} {raw[k]!r} is not a dtype name transformers reads; expected one of "
                               f"{sorted(DTYPES)}", path=path, key=k)
+    for i, pm in enumerate(out.speculators_config.proposal_methods):
+        # verifier_accept_k is a top-k over the verifier's vocabulary (lossy above 1: an audit warning);
+        # beyond the vocabulary it is no setting anyone meant
+        if pm.verifier_accept_k > out.layer.vocab_size:
+            raise ConfigError(f"verifier_accept_k {pm.verifier_accept_k} exceeds the verifier vocabulary "
+                              f"({out.layer.vocab_size} tokens); expected 1 (exact) or a lossy top-k within it",
+                              path=path, key=f"speculators_config.proposal_methods.{i}.verifier_accept_k")
     algo = out.speculators_config.algorithm
     if algo != mt:
         raise ConfigError(f"speculators_config.algorithm is {algo!r} but speculators_model_type is {mt!r}; "

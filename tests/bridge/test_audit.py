@@ -103,7 +103,7 @@ def test_dflash_rules(spec_ckpts, tmp_path):
     ("sliding_window_non_causal.absent", "dflash-qwen3-f32-pruned", lambda c: c.pop("sliding_window_non_causal"),
      ["speculators reads False", "non-causal"]),
     ("proposal.lossy", "eagle3-llama-f32",
-     lambda c: c["speculators_config"]["proposal_methods"][0].update(verifier_accept_k=2), ["lossy"]),
+     lambda c: c["speculators_config"]["proposal_methods"][0].update(verifier_accept_k=5), ["lossy"]),
     ("proposal.lossy", "eagle3-llama-f32",
      lambda c: c["speculators_config"]["proposal_methods"][0].update(accept_tolerance=0.5), ["lossy"]),
     ("verifier.binding", "eagle3-llama-f32",

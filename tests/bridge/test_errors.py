@@ -438,7 +438,7 @@ def _layer(**upd):
     (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[10**9, 1, 2]), "eagle_aux_hidden_state_layer_ids",
      r"aux layer id 1000000000 is beyond any verifier's depth"),
     (lambda c: c["speculators_config"]["proposal_methods"][0].update(verifier_accept_k=10**9), "verifier_accept_k",
-     r"verifier_accept_k 1000000000 exceeds speculative_tokens"),
+     r"verifier_accept_k 1000000000 exceeds the verifier vocabulary \(96 tokens\)"),
 ])
 def test_every_config_field_the_models_read_is_checked_at_load_and_in_audit(ck, edit, key, match):
     cfg = json.loads((ck / "config.json").read_text())
