@@ -107,6 +107,8 @@ class DataArgs(_Section):
     total_seq_len: int = Field(8192, ge=8)
     train_data_ratio: float = Field(0.9, gt=0.0, le=1.0)
     hidden_states_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    online: bool = Field(False, description="compute the target's hidden states while training (the target stays "
+                         "loaded; no cache files are read) instead of reading data.path's hidden-state cache")
     max_anchors: int = Field(512, ge=1)
     prompt_loss: bool = Field(False, description="also supervise the prompt positions of training rows (KL to the "
                               "target's own distribution there); validation keeps the assistant-only mask")
@@ -195,7 +197,9 @@ SECTIONS = {"draft": DraftArgs, "data": DataArgs, "loss": LossArgs, "optimizer":
 ALGORITHM_SECTIONS = ("dspark", "peagle", "mtp")
 # keys that only change outputs / logging: a resumed run may change them freely
 RESUME_SAFE = frozenset({"trainer.log_every", "trainer.keep_checkpoints", "trainer.checkpoint_every",
-                         "trainer.max_minutes", "trainer.output_dir", "data.prepare", "target"})
+                         "trainer.max_minutes", "trainer.output_dir", "data.prepare", "target",
+                         # the same rows in the same order; only where their hidden states come from
+                         "data.online"})
 
 
 class TrainConfig(_Section):

@@ -21,8 +21,9 @@ class TrainData:
     """Rows of a data directory with their cached hidden states, packed per (seed, epoch)."""
 
     def __init__(self, data_dir: str | os.PathLike, rows, indices, *, algo: str, num_aux: int, hidden_size: int,
-                 total_seq_len: int, seed: int, replicas: int = 1, prompt_loss: bool = False):
+                 total_seq_len: int, seed: int, replicas: int = 1, prompt_loss: bool = False, online=None):
         self.dir = Path(data_dir)
+        self.online = online  # specjax.train.online.OnlineStates: hidden states from the target, not the cache
         self.rows = rows
         self.indices = np.asarray(list(indices), np.int64)
         self.algo = algo
@@ -65,13 +66,16 @@ class TrainData:
         return min(self.T, sum(max(len(self.rows.input_ids[int(i)]) - shift, 0) for i in idx))
 
     def sample(self, i: int) -> dict:
-        p = hs_path(self.dir, i)
-        rec = read_hs(p)
-        hs = rec.hidden_states
         ids = self.rows.input_ids[i]
-        if hs.shape[0] != len(ids) or not np.array_equal(rec.token_ids, ids):
-            raise HiddenStateCacheError(f"token ids of hs_{i} do not match dataset row {i}", path=str(p),
-                                        key="token_ids")
+        if self.online is not None:
+            hs = self.online(ids)
+        else:
+            p = hs_path(self.dir, i)
+            rec = read_hs(p)
+            hs = rec.hidden_states
+            if hs.shape[0] != len(ids) or not np.array_equal(rec.token_ids, ids):
+                raise HiddenStateCacheError(f"token ids of hs_{i} do not match dataset row {i}", path=str(p),
+                                            key="token_ids")
         T = hs.shape[0]
         mask = np.ones(T, np.int64) if self.prompt_loss else np.asarray(self.rows.loss_mask[i], np.int64)
         return {"hidden_states": hs[:, :-1].reshape(T, -1), "input_ids": np.asarray(ids, np.int64),

@@ -48,6 +48,7 @@ class StepFns:
     train_jit: Callable | None = None  # the jitted (params, opt_state, batch, frozen) -> ...: .lower() it
     eval_jit: Callable | None = None  # the jitted (params, batch, frozen) -> metrics
     frozen: object = None  # the frozen tensors in the compute dtype, as the steps pass them
+    loss: Callable | None = None  # (params, frozen, batch) -> (loss, metrics): what the train step differentiates
 
     def lower_train(self, params, opt_state, batch):
         """``train_jit.lower`` with the frozen tensors the step passes (arrays or abstract
@@ -160,7 +161,7 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> Ste
     # dtype once here, not inside every step (a [V, H] convert per step otherwise).
     frozen_c = _cast(frozen, cdt)
     return StepFns(lambda p, o, b: train_j(p, o, b, frozen_c), lambda p, b: eval_j(p, b, frozen_c), traces,
-                   train_jit=train_j, eval_jit=eval_j, frozen=frozen_c)
+                   train_jit=train_j, eval_jit=eval_j, frozen=frozen_c, loss=forward)
 
 
 def device_batch(b: dict, rng=None) -> dict:

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -119,7 +120,7 @@ class Run:
             records = recipe_prompts(cfg)  # a bad prompt input fails here, before the target loads
         from specjax.models.loading import LoadedTarget, load_target
 
-        if target is None and not needs_prepare(cfg) and cfg.speculator_type != "mtp":
+        if target is None and not needs_prepare(cfg) and cfg.speculator_type != "mtp" and not cfg.data.online:
             target = target_info_if_light(cfg.target)  # data cached: no target weights on the device
         if target is None:
             if self.mesh is not None:  # straight into its shardings (TARGET_RULES): no full copy on one device
@@ -162,8 +163,16 @@ class Run:
             if int(rows.input_ids[i].max(initial=0)) >= tc.vocab_size:
                 raise DatasetError(f"row {i} has token id {int(rows.input_ids[i].max())} >= the target vocabulary "
                                    f"({tc.vocab_size})", path=str(ddir), key="input_ids")
-        verify_cache(rows, ddir, aux_layer_ids=self.aux, num_layers=n, hidden_size=tc.hidden_size,
-                     sample=min(len(rows), 64))
+        self.online = None
+        if cfg.data.online:  # the target computes each row's hidden states as training reads it
+            from specjax.train.hidden_states import DTYPES
+            from specjax.train.online import OnlineStates
+
+            self.online = OnlineStates(target.model, self.layer_ids, jnp.dtype(DTYPES[cfg.data.hidden_states_dtype]),
+                                       mesh=self.mesh)
+        else:
+            verify_cache(rows, ddir, aux_layer_ids=self.aux, num_layers=n, hidden_size=tc.hidden_size,
+                         sample=min(len(rows), 64))
         from specjax.train.dataset import split_indices
 
         tr, va = split_indices(len(rows), cfg.data.train_data_ratio)
@@ -171,7 +180,7 @@ class Run:
             raise DatasetError(f"the train split is empty ({len(rows)} rows, train_data_ratio "
                                f"{cfg.data.train_data_ratio})", path=str(ddir), key="train_data_ratio")
         mk = dict(algo=algo, num_aux=len(self.aux), hidden_size=tc.hidden_size, total_seq_len=cfg.data.total_seq_len,
-                  seed=cfg.seed)
+                  seed=cfg.seed, online=self.online)
         self.train_data = TrainData(ddir, rows, tr, replicas=self.replicas,
                                     prompt_loss=cfg.data.prompt_loss, **mk)
         self.val_data = TrainData(ddir, rows, va, **mk) if len(va) else None  # packed as on one device
@@ -450,7 +459,8 @@ class Run:
         params, opt_state = self.build_state()
         # Training reads cached hidden states: the target's weights are not needed on the device any
         # more (its config and tokenizer stay). A caller that passed target= keeps its own reference.
-        self.target = TargetInfo.of(self.target)
+        if self.online is None:
+            self.target = TargetInfo.of(self.target)
         mngr = self._manager()
         start, best = 0, {"val_loss": None, "step": None}
         if self.resume and main:
@@ -557,6 +567,7 @@ class Run:
                    "stopped": stopped, "seconds": round(time.perf_counter() - t_start, 2),
                    "train_seconds": round(time.perf_counter() - t0, 2), "tokens_seen": tok_seen,
                    "compiles": dict(self.fns.traces), "best": best, "last_metrics": summary_metrics,
+                   "online_tap_lengths": sorted(self.online.lengths) if self.online is not None else None,
                    "mesh": self.mesh_desc, "rows_per_step": self.replicas, "processes": jax.process_count(),
                    "output_dir": str(self.out)}
         if stopped != "stop_after":

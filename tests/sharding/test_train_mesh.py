@@ -201,7 +201,7 @@ def main(root: Path) -> None:
         _assert_params_close(got.params, ref.params, name)
         _assert_params_close(got.opt_state, ref.opt_state, name + " optimizer state", tol=1e-4)  # the gradients
         _assert_rule_shardings(got.params, shd.DRAFT_RULES, mesh, name + " params")
-        _assert_rule_shardings(got.frozen, shd.DRAFT_RULES, mesh, name + " frozen")
+        _assert_rule_shardings(got.fns.frozen, shd.DRAFT_RULES, mesh, name + " frozen")  # the device copy the step takes
         _assert_rule_shardings(got.opt_state, shd.OPTIMIZER_RULES, mesh, name + " optimizer state")
         runs[name] = got
         checked.append(name)
