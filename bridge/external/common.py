@@ -1,5 +1,6 @@
 """Pieces every external converter shares: the plan it returns, option checking, the
-speculators_config block, dtypes, and tensor-set checks with source-named errors."""
+config.json document (:func:`config_doc`, over bridge's one writer), dtypes, and tensor-set
+checks with source-named errors."""
 
 from __future__ import annotations
 
@@ -9,12 +10,8 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
+from bridge.config_doc import CONVERTED_VERSION_STAMP, speculators_config_doc
 from bridge.external.errors import ExternalSourceError
-from bridge.external.hf_config import HF_FORMAT_VERSION
-
-# speculators_version written into converted checkpoints: the speculators format they follow,
-# marked as written by specjax (speculators never parses the field; REFERENCE 1.1)
-VERSION_STAMP = "0.9.0+specjax"
 
 DTYPE_NAMES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -78,31 +75,14 @@ def resolve_options(kind: str, table: dict[str, Option], given: dict[str, Any]) 
     return out
 
 
-def speculators_block(algorithm: str, speculative_tokens: int, verifier, architectures: list) -> dict:
-    return {
-        "algorithm": algorithm,
-        "default_proposal_method": "greedy",
-        "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
-                              "speculative_tokens": speculative_tokens, "verifier_accept_k": 1}],
-        "verifier": {"architectures": list(architectures), "name_or_path": verifier.ref},
-    }
-
-
-def top_level(model_type: str, arch: str, config_class: str, dtype: np.dtype, layer: dict, block: dict,
-              **fields) -> dict:
-    """The keys SpeculatorModelConfig.save_pretrained writes around the algorithm's own fields."""
-    return {
-        "architectures": [arch],
-        "auto_map": {"": f"config.{config_class}"},
-        "dtype": NAME_OF_DTYPE[np.dtype(dtype)],
-        **fields,
-        "speculators_config": block,
-        "speculators_model_type": model_type,
-        "speculators_version": VERSION_STAMP,
-        "tie_word_embeddings": False,
-        "transformer_layer_config": layer,
-        "transformers_version": HF_FORMAT_VERSION,
-    }
+def config_doc(algorithm: str, layer: dict, *, dtype: str, speculative_tokens: int, verifier, architectures,
+               **fields) -> dict:
+    """The converted checkpoint's config.json object (:func:`bridge.config_doc.speculators_config_doc`):
+    ``speculators_version`` marks it as written by specjax (speculators never parses the field;
+    REFERENCE 1.1), the verifier is recorded as the caller named it."""
+    return speculators_config_doc(algorithm, layer, dtype=dtype, speculative_tokens=speculative_tokens,
+                                  verifier_name_or_path=verifier.ref, verifier_architectures=architectures,
+                                  speculators_version=CONVERTED_VERSION_STAMP, **fields)
 
 
 def cast(a: np.ndarray, dtype: np.dtype) -> np.ndarray:

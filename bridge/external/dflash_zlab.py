@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from bridge.contract import expected_tensors
-from bridge.external.common import IDS, NAME_OF_DTYPE, Option, Plan, cast, resolve_options, speculators_block, top_level
+from bridge.external.common import IDS, NAME_OF_DTYPE, Option, Plan, cast, config_doc, resolve_options
 from bridge.external.errors import ExternalSourceError
 from bridge.external.hf_config import layer_config_dict
 from bridge.external.source import Source, Verifier
@@ -141,11 +141,11 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
     if not exact:
         notes.append(f"transformer_layer_config model_type {layer['model_type']!r} is outside specjax's transformers "
                      "tables: the source keys are kept as written (no class defaults added)")
-    config = top_level(
-        ALGORITHM, "DFlashDraftModel", "DFlashSpeculatorConfig", np.float32, layer,
-        speculators_block(ALGORITHM, block_size - 1, verifier, verifier.get("architectures", [])),
-        aux_hidden_state_layer_ids=list(aux), block_size=block_size, draft_vocab_size=transformer["vocab_size"],
-        mask_token_id=mask, sample_from_anchor=False, sliding_window_non_causal=False, target_hidden_size=None,
+    config = config_doc(
+        ALGORITHM, layer, dtype="float32", speculative_tokens=block_size - 1,
+        verifier=verifier, architectures=verifier.get("architectures", []), aux_layer_ids=list(aux),
+        block_size=block_size, draft_vocab_size=transformer["vocab_size"], mask_token_id=mask,
+        sample_from_anchor=False, sliding_window_non_causal=False, target_hidden_size=None,
     )
     typed = parse_config(config, path=cfg_path)
     exp = expected_tensors(typed)

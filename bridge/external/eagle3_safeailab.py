@@ -21,11 +21,13 @@ tensor the module needs is missing (speculators saves its random init) or mis-sh
 from __future__ import annotations
 
 from bridge.external.common import (
-    BOOL, DTYPE_NAMES, IDS, Option, Plan, cast, require, resolve_options, speculators_block, top_level,
+    BOOL, DTYPE_NAMES, IDS, NAME_OF_DTYPE, Option, Plan, cast, config_doc, require, resolve_options,
 )
+from bridge.contract import expected_tensors
 from bridge.external.errors import ExternalSourceError
 from bridge.external.hf_config import layer_config_dict
 from bridge.external.source import Source, Verifier, find_vocab_size
+from bridge.schema import parse_config
 
 KIND = "eagle3-safeailab"
 ALGORITHM = "eagle3"
@@ -110,36 +112,25 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
     resolved = {"norm_before_residual": opts["norm_before_residual"], **flags,
                 "eagle_aux_hidden_state_layer_ids": opts["eagle_aux_hidden_state_layer_ids"]}
 
-    # the legacy module's tensors and shapes
-    H, I = layer["hidden_size"], layer["intermediate_size"]
-    nh, nkv, hd = layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]
-    Ht = ec.get("target_hidden_size") or H
     Vd = ec.get("draft_vocab_size", 32000)
-    want: dict[str, tuple] = {"fc.weight": (H, 3 * Ht)}
-    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        want[f"layers.0.{n}.weight"] = (H,)
-    for p, rows, cols in (("q_proj", nh * hd, 2 * H), ("k_proj", nkv * hd, 2 * H), ("v_proj", nkv * hd, 2 * H),
-                          ("o_proj", H, nh * hd)):
-        want[f"layers.0.self_attn.{p}.weight"] = (rows, cols)
-        if layer["attention_bias"]:
-            want[f"layers.0.self_attn.{p}.bias"] = (rows,)
-    for p, rows, cols in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
-        want[f"layers.0.mlp.{p}.weight"] = (rows, cols)
-        if layer["mlp_bias"]:
-            want[f"layers.0.mlp.{p}.bias"] = (rows,)
-    want["norm.weight"] = (H,)
-    want["lm_head.weight"] = (Vd, H)
+    config = config_doc(
+        ALGORITHM, layer, dtype=NAME_OF_DTYPE[weights_dtype], speculative_tokens=3, verifier=verifier,
+        architectures=verifier.get("architectures", ["LlamaForCausalLM"]), architecture="Eagle3Speculator",
+        draft_vocab_size=Vd, aux_layer_ids=resolved["eagle_aux_hidden_state_layer_ids"],
+        embed_requires_grad=False, fc_norm=flags["fc_norm"], norm_before_fc=flags["norm_before_fc"],
+        norm_before_residual=resolved["norm_before_residual"], norm_output=flags["norm_output"],
+        target_hidden_size=ec.get("target_hidden_size"),
+    )
+    # the legacy module's tensors, with the shapes the tensor contract gives for this config;
+    # t2d/d2t only where the source has them (deviation, bridge/external/__init__.py: the
+    # optional norms the flags need are kept, as the contract lists them)
+    exp = expected_tensors(parse_config(config, path=str(src.path / "config.json")))
+    names = [n for n, spec in exp.items() if spec.required and n not in ("t2d", "d2t")]
     if src.has("embed_tokens.weight"):
-        want["embed_tokens.weight"] = (vocab, H)
+        names.append("embed_tokens.weight")
     if reduce_vocab:
-        want["d2t"] = (Vd,)
-        want["t2d"] = (vocab,)
-    # deviation (bridge/external/__init__.py): keep the optional norms the flags need
-    if flags["norm_before_fc"]:
-        want["input_norm.weight"] = (3 * Ht,)
-    if flags["fc_norm"]:
-        for i in range(3):
-            want[f"fc_norm.{i}.weight"] = (Ht,)
+        names += ["d2t", "t2d"]
+    want = {n: exp[n].shape if n in exp else None for n in names}  # None: not in the contract, refused on save
     require(src, want, shown=_source_name, kind="SafeAILab EAGLE-3")
     if Vd != vocab and not reduce_vocab:
         raise ExternalSourceError(f"draft_vocab_size {Vd} != verifier vocab_size {vocab} but the source has no t2d: "
@@ -158,12 +149,4 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
         notes.append(f"dropped {len(dropped)} source tensor(s) the EAGLE-3 draft does not use (speculators ignores "
                      f"them too): {dropped[:8]}")
 
-    block = speculators_block(ALGORITHM, 3, verifier, verifier.get("architectures", ["LlamaForCausalLM"]))
-    config = top_level(
-        ALGORITHM, "Eagle3Speculator", "Eagle3SpeculatorConfig", weights_dtype, layer, block,
-        draft_vocab_size=Vd, eagle_aux_hidden_state_layer_ids=resolved["eagle_aux_hidden_state_layer_ids"],
-        embed_requires_grad=False, fc_norm=flags["fc_norm"], norm_before_fc=flags["norm_before_fc"],
-        norm_before_residual=resolved["norm_before_residual"], norm_output=flags["norm_output"],
-        target_hidden_size=ec.get("target_hidden_size"),
-    )
     return Plan(config, tensors, resolved, notes)

@@ -33,7 +33,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
-HF_FORMAT_VERSION = "5.19.0"  # the transformers version whose serialisation this reproduces
+from bridge.config_doc import TRANSFORMERS_VERSION
+
+HF_FORMAT_VERSION = TRANSFORMERS_VERSION  # the transformers version whose serialisation this reproduces
 
 # PreTrainedConfig().to_dict() minus model_type / transformers_version (transformers 5.19)
 BASE_DEFAULTS: dict[str, Any] = {

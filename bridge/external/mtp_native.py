@@ -27,8 +27,8 @@ import re
 import numpy as np
 
 from bridge.contract import expected_tensors
-from bridge.external.common import NAME_OF_DTYPE, POS_INT, Option, Plan, cast, is_float, resolve_options, \
-    speculators_block, top_level
+from bridge.external.common import NAME_OF_DTYPE, POS_INT, Option, Plan, cast, config_doc, is_float, \
+    resolve_options
 from bridge.external.errors import ExternalSourceError
 from bridge.external.hf_config import layer_config_dict
 from bridge.external.source import Source, Verifier
@@ -125,9 +125,9 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
     if len(set(floats)) > 1:
         notes.append(f"mixed float dtypes {sorted({str(d) for d in floats})}: all cast to {dtype} (speculators picks "
                      "one of them by set order)")
-    block = speculators_block(ALGORITHM, opts["num_speculative_steps"], verifier, verifier.get("architectures", []))
-    config = top_level(ALGORITHM, "MTPDraftModel", "MTPSpeculatorConfig", dtype, layer, block,
-                       num_nextn_predict_layers=1)
+    config = config_doc(ALGORITHM, layer, dtype=NAME_OF_DTYPE.get(np.dtype(dtype), str(dtype)),
+                        speculative_tokens=opts["num_speculative_steps"], verifier=verifier,
+                        architectures=verifier.get("architectures", []), num_nextn_predict_layers=1)
     typed = parse_config(config, path=cfg_path)
 
     def shown(n):
@@ -151,5 +151,4 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
                                   f"(after renaming): {stray[:8]}", path=src.weights, key=stray[0])
     tensors = {k: cast(a, dtype) if is_float(a.dtype) else a for k, a in weights.items()}
     notes.append(f"read {len(keys)} mtp.* tensor(s) of {len(src.names)} in the source; wrote {len(tensors)}")
-    config["dtype"] = NAME_OF_DTYPE.get(np.dtype(dtype), str(dtype))
     return Plan(config, tensors, dict(opts), notes)

@@ -20,21 +20,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from bridge.config_doc import speculators_config_doc
 from bridge.layout import path_to_flat, to_torch
 
-SPECULATORS_VERSION = "0.9.0"
-TRANSFORMERS_VERSION = "5.19.0"
-ARCH = {"eagle3": "Eagle3DraftModel", "dflash": "DFlashDraftModel", "peagle": "PEagleDraftModel",
-        "dspark": "DSparkDraftModel", "mtp": "MTPDraftModel"}
-CONFIG_CLASS = {"eagle3": "Eagle3SpeculatorConfig", "dflash": "DFlashSpeculatorConfig",
-                "peagle": "PEagleSpeculatorConfig", "dspark": "DSparkSpeculatorConfig", "mtp": "MTPSpeculatorConfig"}
 KNOWN_VERIFIERS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
@@ -125,44 +119,11 @@ def mtp_layer_config(target_cfg) -> dict:
 
 def speculators_config(algo: str, *, layer: dict, draft_vocab_size: int, aux_layer_ids, speculative_tokens: int,
                        verifier: str, verifier_arch: str, **fields) -> dict:
-    """A complete speculators config.json object (every key explicit)."""
-    doc: dict[str, Any] = {
-        "architectures": [ARCH[algo]], "auto_map": {"": f"config.{CONFIG_CLASS[algo]}"},
-        "draft_vocab_size": int(draft_vocab_size), "dtype": "bfloat16",
-        "speculators_config": {
-            "algorithm": algo, "default_proposal_method": "greedy",
-            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
-                                  "speculative_tokens": int(speculative_tokens), "verifier_accept_k": 1}],
-            "verifier": {"architectures": [verifier_arch], "name_or_path": verifier},
-        },
-        "speculators_model_type": algo, "speculators_version": SPECULATORS_VERSION, "target_hidden_size": None,
-        "tie_word_embeddings": False, "transformer_layer_config": layer, "transformers_version": TRANSFORMERS_VERSION,
-    }
-    if algo in ("eagle3", "peagle"):
-        doc.update(eagle_aux_hidden_state_layer_ids=list(aux_layer_ids),
-                   embed_requires_grad=bool(fields.get("embed_requires_grad", algo == "peagle")),
-                   fc_norm=bool(fields.get("fc_norm", False)), norm_before_fc=bool(fields.get("norm_before_fc", False)),
-                   norm_before_residual=bool(fields.get("norm_before_residual", True)),
-                   norm_output=bool(fields.get("norm_output", False)))
-        if algo == "peagle":
-            doc["mask_token_id"] = int(fields["mask_token_id"])
-    elif algo in ("dflash", "dspark"):
-        doc.update(aux_hidden_state_layer_ids=list(aux_layer_ids), block_size=int(fields["block_size"]),
-                   mask_token_id=int(fields["mask_token_id"]),
-                   sample_from_anchor=bool(fields.get("sample_from_anchor", algo == "dspark")),
-                   sliding_window_non_causal=bool(fields.get("sliding_window_non_causal", False)))
-        if algo == "dspark":
-            doc.update(markov_rank=int(fields.get("markov_rank", 256)),
-                       markov_head_type=str(fields.get("markov_head_type", "vanilla")),
-                       enable_confidence_head=bool(fields.get("enable_confidence_head", True)),
-                       confidence_head_with_markov=bool(fields.get("confidence_head_with_markov", True)))
-    elif algo == "mtp":  # full vocabulary, no aux layers, one MTP layer (MTPSpeculatorConfig)
-        for k in ("draft_vocab_size", "target_hidden_size"):
-            doc.pop(k)
-        doc["num_nextn_predict_layers"] = 1
-    else:
-        raise ValueError(f"unknown algorithm {algo!r}")
-    return doc
+    """A complete speculators config.json object (every key explicit), written by
+    :func:`bridge.config_doc.speculators_config_doc`."""
+    return speculators_config_doc(algo, layer, speculative_tokens=speculative_tokens, verifier_name_or_path=verifier,
+                                  verifier_architectures=[verifier_arch], draft_vocab_size=draft_vocab_size,
+                                  aux_layer_ids=aux_layer_ids, **fields)
 
 
 def model_flat(model) -> dict[str, np.ndarray]:

@@ -132,6 +132,25 @@ def test_dflash_final_layer_id_without_fused_qkv(tmp_path, verifiers):
         spec_convert(src, v, "dflash", tmp_path / "theirs")
 
 
+def test_eagle3_shapes_are_the_contracts(tmp_path, verifiers):
+    """The SafeAILab converter checks the source against bridge.contract's shapes for the config it
+    writes (four aux ids: fc reads 4 x hidden), naming the source tensor and the contract's shape."""
+    from bridge.contract import expected_tensors
+    from bridge.schema import parse_config
+
+    v = verifiers["llama"]
+    H = json.loads((v / "config.json").read_text())["hidden_size"]
+    src = sources.safeailab_eagle3(tmp_path / "s", v)
+    aux = [1, 2, 3, 4]
+    _, _, plan = bridge.external.plan_external(src, "eagle3-safeailab", v)
+    cfg = dict(plan.config, eagle_aux_hidden_state_layer_ids=aux)
+    want = expected_tensors(parse_config(cfg))["fc.weight"].shape
+    assert want == (H, 4 * H)
+    convert_fails(ExternalSourceError, src, "eagle3-safeailab", v, tmp_path / "o",
+                  match=("'fc.weight'", f"[{H}, {3 * H}]", f"expected {list(want)}"),
+                  eagle_aux_hidden_state_layer_ids=aux)
+
+
 def test_shape_mismatch_names_tensor(tmp_path, verifiers):
     v = verifiers["llama"]
     src = sources.safeailab_eagle3(tmp_path / "s", v, config_over={"intermediate_size": 48})
