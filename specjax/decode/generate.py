@@ -31,6 +31,7 @@ from flax import nnx
 
 from specjax import placement
 from specjax.decode.sampling import GREEDY, SamplingParams, sample
+from specjax.kernels import tpu as kt
 from specjax.models import panels
 from specjax.models.errors import ContextLengthError
 from specjax.models.target import CausalLM, KVCache
@@ -189,7 +190,7 @@ def start(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max
     (aux: the prompt rows' tapped hidden states, for a draft). ``mesh``: pin the KV cache to
     ``specjax.sharding.kv_cache_sharding`` (batch on data/fsdp, heads on tensor)."""
     B = prompt_ids.shape[0]
-    cache = _pin(KVCache.init(model.config, B, max_len, cache_dtype), mesh)
+    cache = _pin(KVCache.init(model.config, B, kt.cache_slots(max_len), cache_dtype), mesh)
     logits, cache, aux = prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, packed_len=packed_len,
                                  chunk=prefill_chunk)
     cache = _pin(cache, mesh)

@@ -48,6 +48,7 @@ from specjax.decode.generate import (
     encode_prompts, prepare, resolve_packed_len, start,
 )
 from specjax.decode.sampling import SamplingParams
+from specjax.kernels import tpu as kt
 from specjax.decode.spec_stats import SpecStats
 from specjax.models.drafts.common import d2t_of, greedy
 from specjax.models import panels
@@ -279,7 +280,7 @@ def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
     nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.full((B, 1), pad_id, prompt_ids.dtype)], axis=1)
     nxt = nxt.at[jnp.arange(B), prompt_lens - 1].set(dec.last.astype(prompt_ids.dtype))
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    dcache = _pin(draft.init_cache(B, draft_len, draft_dtype), mesh)
+    dcache = _pin(draft.init_cache(B, kt.cache_slots(draft_len), draft_dtype), mesh)
     prop, q, dcache = _propose(draft, dcache, draft.aux_from_taps(aux), nxt, pos, prompt_lens, params, kd, V)
     dcache = _pin(dcache, mesh)
     R = max(max_new_tokens - 1, 1)

@@ -21,6 +21,7 @@ from flax import nnx
 
 import specjax.sharding as shd
 from specjax import placement
+from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
 
 PROGRAMS = ("train", "extract", "generate", "speculate")
@@ -213,7 +214,7 @@ def _decode_state(p: PlanInputs, Bp: int, max_len: int, cache_dtype):
     from specjax.models.target import KVCache
 
     mesh = p.mesh
-    cache = jax.eval_shape(lambda: KVCache.init(p.target, Bp, max_len, cache_dtype))
+    cache = jax.eval_shape(lambda: KVCache.init(p.target, Bp, kt.cache_slots(max_len, mesh), cache_dtype))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     st = DecodeState(step=i32(), tokens=i32(Bp, int(p.new_tokens)), num_tokens=i32(Bp), limit=i32(Bp),
                      done=jax.ShapeDtypeStruct((Bp,), bool), eos_hit=jax.ShapeDtypeStruct((Bp,), bool), last=i32(Bp),
@@ -278,7 +279,7 @@ def speculate_program(p: PlanInputs) -> Program:
 
     Bp = inputs[0].shape[0]
     dec, dec_sh = _decode_state(p, Bp, max_len, cdt)
-    dcache = jax.eval_shape(lambda: draft.init_cache(Bp, draft_len, ddt))
+    dcache = jax.eval_shape(lambda: draft.init_cache(Bp, kt.cache_slots(draft_len, mesh), ddt))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     st = SpecState(dec, dcache, i32(Bp, k), jax.ShapeDtypeStruct((1,), jnp.float32), i32(Bp, k + 1), ())
     st_sh = SpecState(dec_sh, shd.kv_cache_sharding(mesh, dcache), _batch_or_rep(mesh, st.prop), rep,

@@ -11,6 +11,10 @@ per-position dot product ``[T]``, joined in one softmax:
 
 so attention costs ``T^2 + sT`` instead of ``(s+1)T^2`` per step. Equality with the module's
 forward is tested (``tests/train/test_fast_eagle3.py``).
+
+In a TPU program (``kt.attention_impl() == "pallas"``) each step's attention is the splash
+kernel with the TTT mask as a :func:`specjax.kernels.tpu.ttt` spec (its block sparsity skips
+the same blocks, and no ``[T, T]`` scores are stored for the backward pass).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.kernels import tpu as kt
 from specjax.models.drafts.eagle3 import Eagle3Output, ttt_mask
 from specjax.models.drafts.common import mlp_block
 from specjax.models.layers import bmm_f32acc
@@ -90,7 +95,8 @@ def ttt_forward(model, hidden_states, input_ids, document_ids, position_ids=None
     if position_ids is None:
         position_ids = jnp.broadcast_to(1 + jnp.arange(T), (B, T))
     h = model.project_aux(hidden_states)
-    masks0 = {w: ttt_mask(document_ids, w, 0) for w in model.spec.distinct_windows}
+    pallas = kt.attention_impl() == "pallas"
+    masks0 = {} if pallas else {w: ttt_mask(document_ids, w, 0) for w in model.spec.distinct_windows}
     ids0 = input_ids
     ids = input_ids
     L = len(model.layers)
@@ -117,8 +123,13 @@ def ttt_forward(model, hidden_states, input_ids, document_ids, position_ids=None
                 kd[i].append(k)
                 vd[i].append(v)
             w = model.spec.windows[i]
-            o = ttt_attend(q, k0[i], v0[i], kd[i], vd[i], masks0[w], attn.scaling, window=w,
-                           chunk=attn_chunk)
+            if pallas:  # keys: step 0's, then each later step's (kt.ttt's chunks)
+                o = kt.tpu_attention(q, jnp.concatenate([k0[i]] + kd[i], axis=1),
+                                     jnp.concatenate([v0[i]] + vd[i], axis=1),
+                                     mask_spec=kt.ttt(document_ids, window=w, steps_before=s), scale=attn.scaling)
+            else:
+                o = ttt_attend(q, k0[i], v0[i], kd[i], vd[i], masks0[w], attn.scaling, window=w,
+                               chunk=attn_chunk)
             x = mlp_block(layer, res + attn.output(o))
         logits, h = model.head(x)
         all_logits.append(logits)

@@ -290,3 +290,147 @@ def test_compiles_for_tpu_and_temp_does_not_grow_with_t_squared(topology, record
     c = jax.jit(verify).lower(qd, cache, cache, pos).compile()
     assert "tpu_custom_call" in c.as_text()
     print(f"{topology} verify B={B} k={kq} S={S} temp per chip: {c.memory_analysis().temp_size_in_bytes / 2**20:.2f} MiB")
+
+
+# ----------------------------------------------------------------------------- the models' TPU path
+
+
+def _tpu_path_vs_xla(fn, *args):
+    """``fn`` jitted twice: the XLA path (this CPU program) and the models' TPU path (Pallas
+    kernels in interpret mode). Two distinct jits: the platform is not part of jit's cache key."""
+    ref = jax.jit(lambda *a: fn(*a))(*args)
+    with kt.pallas_interpret():
+        got = jax.jit(lambda *a: fn(*a))(*args)
+    return got, ref
+
+
+def test_target_tpu_path_matches_xla():
+    """CausalLM on the TPU path: no cache (with padding), prefill into a cache then a 3-token
+    verify step, and a packed prefill of two sequences plus padding give the XLA path's logits
+    and caches (float32, <= 1e-5)."""
+    from flax import nnx
+
+    from specjax.models.config import TargetConfig
+    from specjax.models.target import KVCache, build_model
+    from tests.sharding.tiny import target_config
+
+    # qwen3's tiny config: layer 0 full attention, layer 1 a sliding window of 4
+    model = build_model(TargetConfig.from_hf(target_config("qwen3", 2)), rngs=nnx.Rngs(0))
+    gd, st = nnx.split(model)
+    B, T = 2, 20
+    ids = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, model.config.vocab_size)
+    lens = jnp.array([20, 13])
+    am = jnp.arange(T)[None] < lens[:, None]
+    seg = jnp.array([0] * 7 + [1] * 9 + [2] * 4)  # 2 >= B: padding
+    ppos = jnp.array(list(range(7)) + list(range(9)) + [0] * 4)[None]
+
+    def fwd(st):
+        m = nnx.merge(gd, st)
+        plain = m(ids, attention_mask=am).logits
+        pre = m(ids, cache=KVCache.init(m.config, B, 64), attention_mask=am,
+                positions=jnp.broadcast_to(jnp.arange(T), (B, T)))
+        ver = m(ids[:, :3], cache=pre.cache)
+        packed = m(ids[:1], cache=KVCache.init(m.config, B, 64), segments=seg, positions=ppos)
+        return plain, pre.logits, ver.logits, ver.cache.k, packed.logits[0, :16], packed.cache.v
+
+    got, ref = _tpu_path_vs_xla(fwd, st)
+    keep = np.asarray(am)[..., None]
+    for g, r in zip(got[:2], ref[:2]):  # padded query rows are garbage on both paths
+        np.testing.assert_allclose(np.where(keep, g, 0), np.where(keep, r, 0), atol=F32_TOL)
+    for g, r in zip(jax.tree.leaves(got[2:]), jax.tree.leaves(ref[2:])):
+        np.testing.assert_allclose(g, r, atol=F32_TOL)
+
+
+@pytest.mark.parametrize("algo", ["eagle3", "peagle", "dflash", "mtp"])
+def test_draft_training_tpu_path_matches_xla(algo):
+    """Each draft's training forward on the TPU path (EAGLE-3 TTT specs, P-EAGLE / DFlash dense
+    masks with empty rows zeroed, MTP packed causal as segment ids) equals the XLA path on a
+    packed row with two documents and padding."""
+    import bridge
+    from flax import nnx
+
+    from specjax.models.drafts.load import build_draft
+    from tests.sharding.tiny import H, V, draft_config
+
+    d = build_draft(bridge.parse_config(draft_config(algo)), rngs=nnx.Rngs(0))
+    gd, st = nnx.split(d)
+    B, T = 2, 24
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(3, V, (B, T)), jnp.int32)
+    doc = jnp.asarray([[0] * 10 + [1] * 10 + [-1] * 4, [0] * 24], jnp.int32)
+    pos = jnp.asarray([list(range(10)) * 2 + [0] * 4, list(range(24))], jnp.int32)
+    ones = jnp.ones((B, T), jnp.int32)
+    hs = jnp.asarray(rng.standard_normal((B, T, getattr(d, "num_aux", 1) * H)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32)
+
+    def fwd(st):
+        m = nnx.merge(gd, st)
+        if algo == "eagle3":
+            return m(hs, ids, doc, None, pos + 1, y, ttt_steps=3)[:2]
+        if algo == "peagle":  # row 0's anchor 22 is padding: its rows attend to nothing
+            return m(hs, ids, doc, None, ones, y, anchor_pos=jnp.asarray([[0, 3, 3, 12, 21, 22], [1, 2, 2, 2, 5, 9]]),
+                     depth=jnp.asarray([[0, 0, 1, 0, 0, 1], [0, 0, 1, 2, 0, 0]]))[:2]
+        if algo == "dflash":
+            return m(hs, ids, ones, y, doc, pos, anchor_positions=jnp.asarray([[1, 5, 12], [0, 7, 15]]))[:2]
+        return m(ids, y, None, pos, ones)[:2] + m(ids, y, ones.at[1, 20:].set(0), None, ones)[:2]
+
+    got, ref = _tpu_path_vs_xla(fwd, st)
+    for g, r in zip(got, ref):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, r, atol=F32_TOL)
+
+
+def test_draft_decode_tpu_path_matches_xla():
+    """EAGLE-3's decode (context rows into the draft cache, then a 3-step chain: the seq-major
+    decode kernel, one kv head) and a DFlash block over its cache (dense flash) on the TPU path
+    equal the XLA path."""
+    import bridge
+    from flax import nnx
+
+    from specjax.models.drafts.load import build_draft
+    from tests.sharding.tiny import H, V, draft_config
+
+    B, n = 2, 6
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(3, V, (B, n)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(n), (B, n))
+    nv = jnp.array([6, 4])
+    for algo in ("eagle3", "dflash"):
+        c = draft_config(algo)
+        c["transformer_layer_config"]["num_key_value_heads"] = 1
+        d = build_draft(bridge.parse_config(c), rngs=nnx.Rngs(0))
+        gd, st = nnx.split(d)
+        hs = jnp.asarray(rng.standard_normal((B, n, d.num_aux * H)), jnp.float32)
+
+        def fwd(st):
+            m = nnx.merge(gd, st)
+            cache = m.init_cache(B, 32)
+            if algo == "dflash":
+                return m.block(m.extend(cache, hs, pos, nv), ids[:, 0], nv)
+            return m.speculate(cache, hs, ids, pos, n_valid=nv, k=3)[:3]
+
+        got, ref = _tpu_path_vs_xla(fwd, st)
+        for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(g, r, atol=F32_TOL)
+
+
+def test_fast_eagle3_ttt_forward_tpu_path_matches_xla():
+    """The train step's EAGLE-3 forward (``ttt_forward``) on the TPU path: each TTT step's keys
+    (step 0's, then the later steps') on the flash kernel with the ``kt.ttt`` spec."""
+    import bridge
+    from flax import nnx
+
+    from specjax.models.drafts.load import build_draft
+    from specjax.train.fast_eagle3 import ttt_forward
+    from tests.sharding.tiny import H, V, draft_config
+
+    d = build_draft(bridge.parse_config(draft_config("eagle3")), rngs=nnx.Rngs(0))
+    gd, st = nnx.split(d)
+    rng = np.random.default_rng(3)
+    B, T = 2, 24
+    ids = jnp.asarray(rng.integers(3, V, (B, T)), jnp.int32)
+    doc = jnp.asarray([[0] * 10 + [1] * 10 + [-1] * 4, [0] * 24], jnp.int32)
+    hs = jnp.asarray(rng.standard_normal((B, T, 3 * H)), jnp.float32)
+    got, ref = _tpu_path_vs_xla(lambda st: ttt_forward(nnx.merge(gd, st), hs, ids, doc, ttt_steps=3)[:2], st)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, atol=F32_TOL)

@@ -14,12 +14,12 @@ programs compiled with the TPU program (or run in Pallas interpret mode on the C
 """
 
 from specjax.kernels.tpu.decode import decode_attention, position_ranges
-from specjax.kernels.tpu.dispatch import (IMPLS, AttentionImplError, attention_impl, cache_attention, pallas_interpret,
-                                          range_mask, tpu_attention)
+from specjax.kernels.tpu.dispatch import (IMPLS, AttentionImplError, attention_impl, cache_attention, cache_slots,
+                                          pallas_interpret, range_mask, tpu_attention)
 from specjax.kernels.tpu.masks import MaskSpec, MaskSpecError, causal, dense, dense_mask, segments_from_documents, ttt
 from specjax.kernels.tpu.splash import KernelShapeError, flash_attention, sharded_flash_attention
 
 __all__ = ["IMPLS", "AttentionImplError", "KernelShapeError", "MaskSpec", "MaskSpecError", "attention_impl",
-           "cache_attention", "causal", "decode_attention", "dense", "dense_mask", "flash_attention",
+           "cache_attention", "cache_slots", "causal", "decode_attention", "dense", "dense_mask", "flash_attention",
            "pallas_interpret", "position_ranges", "range_mask", "segments_from_documents", "sharded_flash_attention",
            "tpu_attention", "ttt"]

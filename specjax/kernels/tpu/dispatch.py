@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import placement
-from specjax.kernels.tpu.decode import decode_attention
+from specjax.kernels.tpu.decode import LANES, decode_attention
 from specjax.kernels.tpu.masks import MaskSpec, dense_mask
 from specjax.kernels.tpu.splash import check_qkv, mesh_specs, sharded_flash_attention, flash_attention
 
@@ -56,6 +56,14 @@ def pallas_interpret():
         yield
     finally:
         _INTERPRET.reset(token)
+
+
+def cache_slots(n: int, where=None) -> int:
+    """Slots to allocate for a KV cache that must hold ``n``: on the Pallas path ``n`` rounded up
+    to a multiple of 128 (the decode kernel reads the cache in blocks that divide its length),
+    else ``n``. The extra slots lie past every position a query can see."""
+    n = int(n)
+    return -(-n // LANES) * LANES if attention_impl(where) == "pallas" else n
 
 
 def _impl(impl, mesh) -> str:
