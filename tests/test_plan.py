@@ -83,15 +83,15 @@ def test_v5e_programs_compile_and_fit(v5e):
 
 def test_extract_attention_memory_does_not_grow_with_t_squared(cfg):
     """Extraction compiled for v5e (8B widths, 2 layers) attends on the flash kernel and holds no
-    [T, T] scores: from 2048 to 8192 tokens its temporaries grow less than 16x, and at 8192 they
-    stay under 0.5 GiB per chip, where one layer's float32 scores of the chip's 4 query heads alone
-    would be 1 GiB (XLA's attention here: 36 MiB -> 1.40 GiB, 40x; the kernel: 37 -> 341 MiB)."""
-    a, b = (plan(cfg, "v5e:2x4", programs="extract", target_overrides=LAYERS, seq=T)[0] for T in (2048, 8192))
+    [T, T] scores: at 4096 tokens its temporaries stay under one layer's float32 scores of the
+    chip's 4 query heads (256 MiB), and from 2048 to 4096 tokens they grow less than 8x (XLA's
+    attention here: 36 -> 395 MiB, 11x; the kernel: 37 -> 172 MiB)."""
+    a, b = (plan(cfg, "v5e:2x4", programs="extract", target_overrides=LAYERS, seq=T)[0] for T in (2048, 4096))
     for r in (a, b):
         assert r.compiled, r.error
         assert r.custom_calls.get("tpu_custom_call", 0) > 0
-    assert b.temp_gib < 16 * a.temp_gib, (a.temp_gib, b.temp_gib)
-    assert b.temp_gib < 0.5, b.temp_gib
+    assert b.temp_gib * 1024 < 256, b.temp_gib
+    assert b.temp_gib < 8 * a.temp_gib, (a.temp_gib, b.temp_gib)
 
 
 def test_batch_far_too_large_does_not_fit(cfg):
