@@ -55,7 +55,7 @@ import numpy as np
 
 from specjax.decode.accept import residual
 from specjax.decode.sampling import SamplingParams, process_logits
-from specjax.models.layers import first_argmax
+from specjax.models.layers import first_argmax, write_cache
 
 
 class TreeSpecError(ValueError):
@@ -361,3 +361,27 @@ def accept_tree(key, target_logits, node_tokens, children, max_depth: int, node_
         return accept_tree_greedy(target_logits, node_tokens, children, max_depth)
     p = jax.nn.softmax(process_logits(target_logits, sampling), axis=-1)
     return accept_tree_sampled(key, p, node_tokens, children, max_depth, node_q)
+
+
+# ----------------------------------------------------------------------------- cache compaction
+
+
+def compact_cache(cache, base, path, num_accepted):
+    """Keep the accepted path of a tree verify as consecutive cache rows.
+
+    ``cache``: a target :class:`~specjax.models.target.KVCache` (k / v: layers x [B, Hkv, S, D])
+    after a tree verify wrote node i at slot ``base + i``; base int32 [B]: the committed length
+    before the verify; path int32 [B, D+1], num_accepted int32 [B]: from the accept rule. Returns
+    the cache with slot ``base + j`` holding node ``path[:, j]``'s K/V for j <= n and lengths
+    ``base + n + 1`` (root and accepted nodes; slots past that are stale, never read)."""
+    S = cache.max_len
+    D1 = path.shape[1]
+    src = jnp.minimum(base[:, None] + jnp.maximum(path, 0), S - 1).astype(jnp.int32)  # [B, D+1]
+    dst = base[:, None] + jnp.arange(D1, dtype=jnp.int32)[None]
+
+    def move(buf):  # [B, H, S, Dh]
+        rows = jnp.take_along_axis(buf, src[:, None, :, None], axis=2)  # [B, H, D+1, Dh]
+        return write_cache(buf, dst, jnp.swapaxes(rows, 1, 2))
+
+    return cache._replace(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v),
+                          lengths=(base + num_accepted + 1).astype(jnp.int32))

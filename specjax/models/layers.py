@@ -372,3 +372,25 @@ def causal_mask(q_pos, kv_pos, *, sliding_window: int | None = None, kv_valid=No
     if kv_valid is not None:
         m &= kv_valid[:, None, :].astype(bool)
     return m[:, None]
+
+
+def tree_cache_mask(q_pos, lengths, tree_mask, num_slots: int, *, sliding_window: int | None = None):
+    """Boolean [B, 1, T, S] for a token-tree verify over a KV cache (S = ``num_slots``).
+
+    The T tree tokens lie at slots ``lengths[b] + t`` with rope positions ``q_pos`` int [B, T]
+    (the committed length plus the node's depth); ``tree_mask`` bool [T, T] or [B, T, T]
+    (``[t, j]``: node j is t or an ancestor of t). Query t sees the committed slots
+    ``< lengths[b]`` and tree slot ``lengths[b] + j`` iff ``tree_mask[b, t, j]``; with a sliding
+    window, only keys whose position is ``> q_pos - W``."""
+    B, T = q_pos.shape
+    tm = jnp.broadcast_to(jnp.asarray(tree_mask, bool), (B, T, T))
+    slot = jnp.arange(num_slots, dtype=jnp.int32)
+    rel = slot[None] - lengths[:, None].astype(jnp.int32)  # [B, S]: tree node at each slot
+    in_tree = (rel >= 0) & (rel < T)
+    relc = jnp.clip(rel, 0, T - 1)
+    tvis = jnp.take_along_axis(tm, jnp.broadcast_to(relc[:, None, :], (B, T, num_slots)), axis=2)  # [B, T, S]
+    m = jnp.where(in_tree[:, None, :], tvis, rel[:, None, :] < 0)
+    if sliding_window is not None:
+        kv_pos = jnp.where(in_tree, jnp.take_along_axis(q_pos, relc, axis=1), slot[None])  # [B, S]
+        m &= kv_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    return m[:, None]

@@ -45,7 +45,7 @@ from specjax.models.config import TargetConfig
 from specjax.models.errors import ContextLengthError, TapIdError, UnknownArchitectureError
 from specjax.models import panels
 from specjax.models.layers import (INIT_STD, DecoderLayer, Embed, RMSNorm, attend, attend_cache, causal_mask, dense,
-                                   write_cache, write_packed)
+                                   tree_cache_mask, write_cache, write_packed)
 from specjax.models.rope import apply_rope, rope_cos_sin
 
 
@@ -138,7 +138,7 @@ class CausalLM(nnx.Module):
 
     def __call__(self, input_ids, *, positions=None, cache: KVCache | None = None, attention_mask=None,
                  tap_ids: Sequence[int] = (), logits_at=None, return_logits: bool = True,
-                 segments=None) -> TargetOutput:
+                 segments=None, tree_mask=None) -> TargetOutput:
         """One forward.
 
         input_ids int [B, T]. positions int [B, T]: default ``arange(T)`` without a cache,
@@ -159,12 +159,30 @@ class CausalLM(nnx.Module):
         the row (not to the cache) and its K/V go to that sequence's cache row. ``lengths``
         advance by each sequence's token count; ``logits_at`` int [B'] indexes the row (logits
         [B', V]). Equal to a right-padded prefill of the sequences without the padding's work.
+
+        tree_mask bool [T, T] or [B, T, T] (with a cache): a token-tree verify
+        (:mod:`specjax.decode.tree`). The T tokens are written at slots ``lengths + arange(T)``
+        (not at their positions); ``positions`` default to ``lengths + depth`` with depth =
+        ``tree_mask`` row sum - 1; token t attends to the committed slots and to the tree tokens
+        j with ``tree_mask[t, j]`` (itself and its ancestors). ``lengths`` advance by T; keep the
+        accepted path with :func:`specjax.decode.tree.compact_cache`.
         """
         cfg = self.config
         n = cfg.num_hidden_layers
         taps = check_tap_ids(tap_ids, n)
         B, T = input_ids.shape
         ar = jnp.arange(T, dtype=jnp.int32)
+        tree = tree_mask is not None
+        if tree:
+            if cache is None or segments is not None:
+                raise ValueError("a tree verify (tree_mask) needs a KV cache and no packed segments")
+            tree_mask = jnp.asarray(tree_mask, bool)
+            if tree_mask.shape[-2:] != (T, T):
+                raise ValueError(f"tree_mask {tree_mask.shape} does not fit {T} input tokens: expected [{T}, {T}] "
+                                 f"or [{B}, {T}, {T}]")
+            if positions is None:
+                depth = jnp.broadcast_to(tree_mask.sum(-1).astype(jnp.int32) - 1, (B, T))
+                positions = cache.lengths[:, None] + depth
         if positions is None:
             positions = (cache.lengths[:, None] + ar[None]) if cache is not None else jnp.broadcast_to(ar, (B, T))
         positions = positions.astype(jnp.int32)
@@ -195,7 +213,11 @@ class CausalLM(nnx.Module):
         pallas = kt.attention_impl() == "pallas"
         masks = {}
 
+        slots = cache.lengths[:, None] + ar[None] if tree else positions  # where the new K/V rows go
+
         def mask_for(w):
+            if w not in masks and tree:
+                masks[w] = tree_cache_mask(q_pos, cache.lengths, tree_mask, cache.max_len, sliding_window=w)
             if w not in masks:
                 masks[w] = causal_mask(q_pos, kv_pos, sliding_window=w, kv_valid=kv_valid)
                 if packed:
@@ -220,10 +242,12 @@ class CausalLM(nnx.Module):
                 else:
                     o = attend(q, k, v, mask_for(w), scale=attn.scaling)
             elif cache is not None:
-                k, v = write_cache(cache.k[i], positions, k), write_cache(cache.v[i], positions, v)
+                k, v = write_cache(cache.k[i], slots, k), write_cache(cache.v[i], slots, v)
                 new_k.append(k)
                 new_v.append(v)
-                if pallas:  # reads only the cache blocks at or before each query's position
+                if tree:  # XLA's masked attention on every platform (the CPU kernel: see panels.tree_fits)
+                    o = attend_cache(q, k, v, mask_for(w), scale=attn.scaling)
+                elif pallas:  # reads only the cache blocks at or before each query's position
                     o = kt.cache_attention(q, k, v, *kt.position_ranges(positions, w), scale=attn.scaling)
                 elif panels.attention_fits(attn.q_proj, q, k):
                     o = panels.decode_attention(q, k, v, positions, window=w, scale=attn.scaling)
