@@ -27,7 +27,7 @@ from specjax.paths import cache_root
 
 SOURCES = ("panel_matmul.cc", "decode_attention.cc")
 HEADERS = ("common.h",)
-TARGETS = ("specjax_panel_matmul", "specjax_panel_matmul_bf16", "specjax_decode_attention")
+TARGETS = ("specjax_panel_matmul", "specjax_panel_matmul_bf16", "specjax_decode_attention", "specjax_tree_attention")
 
 _lock = threading.Lock()
 _state: dict = {}

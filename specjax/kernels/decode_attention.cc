@@ -17,6 +17,13 @@
 // of each row. Softmax in float32 with the max subtracted. A query that sees no slot gets zeros
 // (the XLA path gives finite garbage; no caller reads either).
 //
+// specjax_tree_attention: the same with a token-tree verify's mask. Extra inputs
+//   tbase  [B]                                  int32: the tree's first slot (the committed length)
+//   tmask  [B, T, M]                            uint8: query t sees tree slot tbase[b] + m iff
+//                                               tmask[b, t, m] (itself and its ancestors)
+// A slot in [tbase, tbase + M) is visible iff it is in [lo, hi] and its tmask entry is set; other
+// slots by [lo, hi] alone (the committed cache, with the window's lo).
+//
 // Work units are (b, t, kv head), shared out as in panel_matmul.cc (common.h);
 // a unit loads each visible key and value row once for the kv head's G query heads.
 #include <algorithm>
@@ -36,6 +43,16 @@ struct AttJob {
   int64_t T, Hq, Hkv, S, D;
   bool seq_major;
   float scale;
+  const uint8_t* tmask = nullptr;  // tree verify only: [B, T, M]
+  const int32_t* tbase = nullptr;  // [B]
+  int64_t M = 0;
+};
+
+// The tree mask of one query row: hides tree slots that are not its ancestors (or itself).
+struct SlotMask {
+  const uint8_t* row = nullptr;
+  int64_t base = 0, M = 0;
+  bool hidden(int64_t s) const { return row != nullptr && s >= base && s - base < M && row[s - base] == 0; }
 };
 
 using specjax::i16v;
@@ -84,7 +101,7 @@ static inline float hsum(v16 x) {
 // S + 16 floats.
 template <int C>
 static void att_group(const float* const* qr, int64_t G, const float* kb, const float* vb, int64_t ld, int64_t lo,
-                      int64_t hi, float scale, float* lg, int64_t ld_lg, float* const* o) {
+                      int64_t hi, float scale, float* lg, int64_t ld_lg, float* const* o, const SlotMask& sm) {
   v16 qv[8][C];
   float mx[8];
   for (int64_t g = 0; g < G; g++) {
@@ -97,7 +114,7 @@ static void att_group(const float* const* qr, int64_t G, const float* kb, const 
     for (int64_t g = 0; g < G; g++) {
       v16 acc = qv[g][0] * kv[0];
       for (int c = 1; c < C; c++) acc += qv[g][c] * kv[c];
-      float a = hsum(acc);
+      float a = sm.hidden(s) ? -INFINITY : hsum(acc);
       lg[g * ld_lg + s] = a;
       mx[g] = std::max(mx[g], a);
     }
@@ -136,12 +153,12 @@ static void att_group(const float* const* qr, int64_t G, const float* kb, const 
 
 // The same for any D and G, one row at a time (no vectors).
 static void att_row_scalar(const float* qr, const float* kb, const float* vb, int64_t ld, int64_t lo, int64_t hi,
-                           int64_t D, float scale, float* lg, float* o) {
+                           int64_t D, float scale, float* lg, float* o, const SlotMask& sm) {
   float mx = -INFINITY;
   for (int64_t s = lo; s <= hi; s++) {
     float a = 0.0f;
     for (int64_t d = 0; d < D; d++) a += qr[d] * kb[s * ld + d];
-    lg[s] = a * scale;
+    lg[s] = sm.hidden(s) ? -INFINITY : a * scale;
     mx = std::max(mx, lg[s]);
   }
   float sum = 0.0f;
@@ -167,6 +184,8 @@ static void att_unit(const AttJob& j, int64_t u, std::vector<float>& logits) {
   const int64_t hi = std::min<int64_t>(j.hi[bt], S - 1);
   const int64_t lo = std::max<int64_t>(j.lo[bt], 0);
   const int64_t ld_lg = S + 16;
+  SlotMask sm;
+  if (j.tmask != nullptr) sm = SlotMask{j.tmask + bt * j.M, j.tbase[b], j.M};
   logits.resize(std::min<int64_t>(G, 8) * ld_lg);
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
     const int64_t n = std::min<int64_t>(8, G - g0);
@@ -180,18 +199,18 @@ static void att_unit(const AttJob& j, int64_t u, std::vector<float>& logits) {
     if (lo > hi) {
       for (int64_t g = 0; g < n; g++) std::fill(o[g], o[g] + D, 0.0f);
     } else if (D == 64) {
-      att_group<4>(qr, n, kb, vb, ld, lo, hi, j.scale, logits.data(), ld_lg, o);
+      att_group<4>(qr, n, kb, vb, ld, lo, hi, j.scale, logits.data(), ld_lg, o, sm);
     } else if (D == 128) {
-      att_group<8>(qr, n, kb, vb, ld, lo, hi, j.scale, logits.data(), ld_lg, o);
+      att_group<8>(qr, n, kb, vb, ld, lo, hi, j.scale, logits.data(), ld_lg, o, sm);
     } else {
-      for (int64_t g = 0; g < n; g++) att_row_scalar(qr[g], kb, vb, ld, lo, hi, D, j.scale, logits.data(), o[g]);
+      for (int64_t g = 0; g < n; g++) att_row_scalar(qr[g], kb, vb, ld, lo, hi, D, j.scale, logits.data(), o[g], sm);
     }
   }
 }
 
-static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
-                                  float scale, int64_t seq_major, ffi::ResultBuffer<ffi::F32> out) {
+static ffi::Error Check(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
+                        ffi::Buffer<ffi::S32>& lo, ffi::Buffer<ffi::S32>& hi, int64_t seq_major, AttJob& j,
+                        float* out, float scale) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), ld = lo.dimensions(), hd = hi.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || ld.size() != 2 || hd.size() != 2)
     return ffi::Error::InvalidArgument("decode_attention: expected q [B,T,Hq,D], k/v 4-D, lo/hi [B,T]");
@@ -201,12 +220,43 @@ static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("decode_attention: k and v shapes differ");
   if (kd[0] != B || kd[3] != D || Hkv <= 0 || Hq % Hkv != 0 || ld[0] != B || ld[1] != T || hd[0] != B || hd[1] != T)
     return ffi::Error::InvalidArgument("decode_attention: q, k/v and lo/hi disagree on B, T, D or heads");
-  const AttJob j{q.typed_data(), k.typed_data(), v.typed_data(), lo.typed_data(), hi.typed_data(),
-                 out->typed_data(), T, Hq, Hkv, S, D, seq_major != 0, scale};
-  specjax::parallel_for(pool, B * T * Hkv, [j](int64_t u) {
+  j = AttJob{q.typed_data(), k.typed_data(), v.typed_data(), lo.typed_data(), hi.typed_data(),
+             out, T, Hq, Hkv, S, D, seq_major != 0, scale};
+  return ffi::Error::Success();
+}
+
+static void Run(ffi::ThreadPool& pool, const AttJob& j, int64_t B) {
+  specjax::parallel_for(pool, B * j.T * j.Hkv, [j](int64_t u) {
     thread_local std::vector<float> logits;
     att_unit(j, u, logits);
   });
+}
+
+static ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
+                                  float scale, int64_t seq_major, ffi::ResultBuffer<ffi::F32> out) {
+  AttJob j{};
+  ffi::Error e = Check(q, k, v, lo, hi, seq_major, j, out->typed_data(), scale);
+  if (e.failure()) return e;
+  Run(pool, j, q.dimensions()[0]);
+  return ffi::Error::Success();
+}
+
+static ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
+                                ffi::Buffer<ffi::S32> tbase, ffi::Buffer<ffi::U8> tmask, float scale,
+                                ffi::ResultBuffer<ffi::F32> out) {
+  AttJob j{};
+  ffi::Error e = Check(q, k, v, lo, hi, 0, j, out->typed_data(), scale);
+  if (e.failure()) return e;
+  auto bd = tbase.dimensions(), md = tmask.dimensions();
+  const int64_t B = q.dimensions()[0];
+  if (bd.size() != 1 || bd[0] != B || md.size() != 3 || md[0] != B || md[1] != j.T)
+    return ffi::Error::InvalidArgument("tree_attention: expected tbase [B] and tmask [B, T, M]");
+  j.tbase = tbase.typed_data();
+  j.tmask = tmask.typed_data();
+  j.M = md[2];
+  Run(pool, j, B);
   return ffi::Error::Success();
 }
 
@@ -220,4 +270,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_decode_attention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("seq_major")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_tree_attention, TreeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -172,6 +172,33 @@ def range_attention(q, k, v, lo, hi, *, scale: float, seq_major: bool = False):
                                                       scale=np.float32(scale), seq_major=np.int64(bool(seq_major)))
 
 
+def tree_fits(window: int | None, T: int) -> bool:
+    """:func:`tree_attention` is exact for a tree of T tokens under this sliding window: none, or
+    at least T wide (then every ancestor is inside the window and the committed slots' window
+    starts at or before the tree's first slot)."""
+    return not window or window >= T
+
+
+def tree_attention(q, k, v, positions, base, tree_mask, *, window: int | None, scale: float):
+    """A token-tree verify's attention on the native kernel: ``q`` [B, T, Hq, D], heads-major
+    ``k``/``v`` [B, Hkv, S, D] with tree token t at slot ``base[b] + t`` (int [B]), rope
+    ``positions`` int [B, T], ``tree_mask`` bool [B, T, T] (ancestor-or-self, diagonal set) ->
+    [B, T, Hq, D]: :func:`specjax.models.layers.attend_cache` under
+    :func:`specjax.models.layers.tree_cache_mask`. Needs :func:`tree_fits`. All float32."""
+    B, T = q.shape[:2]
+    if not tree_fits(window, T):
+        raise ValueError(f"tree attention on the kernel needs a sliding window >= {T} tree tokens, got {window}")
+    base = jnp.asarray(base, jnp.int32)
+    lo = window_start(jnp.asarray(positions, jnp.int32), window)
+    hi = jnp.broadcast_to(base[:, None] + (T - 1), (B, T))
+    tm = jnp.broadcast_to(jnp.asarray(tree_mask, bool), (B, T, T)).astype(jnp.uint8)
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.dtype != jnp.float32:
+            raise TypeError(f"tree attention takes float32, got {name} {a.dtype}")
+    return jax.ffi.ffi_call("specjax_tree_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")(q, k, v, lo, hi, base, tm, scale=np.float32(scale))
+
+
 @jax.tree_util.register_pytree_node_class
 class Paneled:
     """A weight in both layouts, the value of a ``Dense.kernel`` (or a tied embedding) in a

@@ -245,7 +245,10 @@ class CausalLM(nnx.Module):
                 k, v = write_cache(cache.k[i], slots, k), write_cache(cache.v[i], slots, v)
                 new_k.append(k)
                 new_v.append(v)
-                if tree:  # XLA's masked attention on every platform (the CPU kernel: see panels.tree_fits)
+                if tree and panels.attention_fits(attn.q_proj, q, k) and panels.tree_fits(w, T):
+                    o = panels.tree_attention(q, k, v, positions, cache.lengths, tree_mask, window=w,
+                                              scale=attn.scaling)
+                elif tree:  # XLA's masked attention (also in TPU programs: no Pallas tree kernel yet)
                     o = attend_cache(q, k, v, mask_for(w), scale=attn.scaling)
                 elif pallas:  # reads only the cache blocks at or before each query's position
                     o = kt.cache_attention(q, k, v, *kt.position_ranges(positions, w), scale=attn.scaling)

@@ -77,13 +77,43 @@ def test_tree_verify_equals_chain_verify_per_node(llama):
     assert np.abs(np.asarray(tl[0, 1]) - np.asarray(tl[0, 2])).max() > 1e-3  # siblings differ: the mask matters
 
 
-@pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels unavailable: {kernels.status()}")
-def test_tree_verify_on_the_panel_view(llama):
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels unavailable: {kernels.status()}")
+
+
+@needs_kernels
+def test_tree_verify_on_the_panel_view(llama, monkeypatch):
+    """The panel view runs the tree verify's attention on the CPU kernel (traced once per layer)."""
+    calls = []
+    real = panels.tree_attention
+    monkeypatch.setattr(panels, "tree_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     graphdef, state = nnx.split(llama)
     view = panels.decode_state(llama, state)
     assert view is not state
     cache = _prefilled(llama)
     _check_nodes_equal_chains(_fwd(graphdef), view, cache, 1e-5)
+    assert len(calls) == llama.config.num_hidden_layers
+
+
+@needs_kernels
+@pytest.mark.parametrize("Hq,Hkv,D,window", [(8, 2, 64, None), (4, 4, 128, 9), (6, 2, 24, None), (12, 1, 64, 6)])
+def test_tree_attention_kernel_equals_masked_attention(Hq, Hkv, D, window):
+    """The kernel against ``attend_cache`` under ``tree_cache_mask``: vector (D 64 / 128) and
+    scalar (D 24) paths, groups of 8 and more, sliding windows >= T, per-sequence trees."""
+    from specjax.models.layers import attend_cache, tree_cache_mask
+
+    B, S, T = 2, 40, 6
+    rng = np.random.default_rng(D + Hq)
+    q = jnp.asarray(rng.standard_normal((B, T, Hq, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), jnp.float32)
+    base = jnp.asarray([11, 3], jnp.int32)
+    mask = jnp.asarray(np.stack([t.mask for t in TREES]))
+    pos = base[:, None] + jnp.asarray(np.stack([t.depth for t in TREES]))
+    want = attend_cache(q, k, v, tree_cache_mask(pos, base, mask, S, sliding_window=window), scale=D ** -0.5)
+    got = jax.jit(lambda *a: panels.tree_attention(*a, window=window, scale=D ** -0.5))(q, k, v, pos, base, mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="sliding window >= 6"):
+        panels.tree_attention(q, k, v, pos, base, mask, window=5, scale=1.0)
 
 
 def test_tree_mask_errors(llama):
