@@ -69,6 +69,7 @@ def untrained_eagle3(lt, draft_vocab: int = 32000, seed: int = 0):
     import numpy as np
 
     from specjax.decode.speculative import SpecDraft
+    from specjax.models.drafts.eagle3 import Eagle3Draft
     from specjax.models.drafts.load import module_from_flat
     from specjax.models.drafts.verifier_weights import VerifierSource, fill_verifier_weights
 
@@ -103,7 +104,7 @@ def untrained_eagle3(lt, draft_vocab: int = 32000, seed: int = 0):
     t2d = np.zeros(V, bool)
     t2d[sel] = True
     flat["t2d"], flat["d2t"] = t2d, np.zeros(draft_vocab, np.int64)
-    flat = fill_verifier_weights("eagle3", flat, hidden_size=H, vocab_size=V, draft_vocab_size=draft_vocab,
+    flat = fill_verifier_weights(Eagle3Draft.verifier_fill, flat, hidden_size=H, vocab_size=V, draft_vocab_size=draft_vocab,
                                  source=VerifierSource.of(lt.model), verifier_heads=False)
     module = module_from_flat(cfg, flat, dtype="float32", verifier_heads=False)
     return SpecDraft(module, cfg, f"untrained-eagle3:{draft_vocab}")

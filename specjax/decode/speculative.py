@@ -51,6 +51,7 @@ from specjax.decode.sampling import SamplingParams
 from specjax.kernels import tpu as kt
 from specjax.decode.spec_stats import SpecStats
 from specjax.models.drafts.common import d2t_of, greedy
+from specjax.models.drafts.registry import draft_class
 from specjax.models import panels
 from specjax.models.errors import ModelError
 from specjax.models.target import CausalLM
@@ -113,10 +114,8 @@ class SpecDraft:
     @property
     def max_k(self) -> int | None:
         """Tokens one block proposes (block drafts); None for chain drafts (any k)."""
-        m = self.module
-        if getattr(m, "algorithm", "") in ("dflash", "dspark"):
-            return int(m.block_size) - (0 if m.sample_from_anchor else 1)
-        return None
+        max_proposal = getattr(self.module, "max_proposal", None)
+        return None if max_proposal is None else max_proposal()
 
 
 def as_spec_draft(draft) -> SpecDraft:
@@ -140,21 +139,11 @@ def check_pair(draft_config, target_config, *, draft_src: str = "draft", target_
     if lc.vocab_size != tc.vocab_size:
         probs.append(f"vocabulary: draft {lc.vocab_size} (transformer_layer_config.vocab_size) vs target "
                      f"{tc.vocab_size} (vocab_size)")
-    n = tc.num_hidden_layers
-    aux = draft_config.aux_layer_ids
-    if algo != "mtp" and aux:
-        bad = [i for i in aux if not 0 <= int(i) <= n]
-        if bad:
-            probs.append(f"aux hidden-state layer ids: draft needs {list(aux)} ({bad} out of range) vs target "
-                         f"num_hidden_layers {n} (valid ids 0..{n})")
+    probs += draft_class(algo).pair_problems(draft_config, tc)
     archs = _arch_names(draft_config.speculators_config.verifier.architectures)
     if archs and tc.architecture not in archs:
         probs.append(f"verifier architecture: draft was trained for {archs} "
                      f"(speculators_config.verifier.architectures) vs target {tc.architecture}")
-    if algo == "mtp":
-        mt = draft_config.transformer_layer_config.get("model_type")
-        if mt and mt != tc.family:
-            probs.append(f"verifier family: MTP head of model_type {mt!r} vs target {tc.family!r}")
     if probs:
         raise DraftTargetMismatchError(f"draft {draft_src} does not fit target {target_src}: " + "; ".join(probs),
                                        key="transformer_layer_config")

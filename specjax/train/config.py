@@ -40,6 +40,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specjax.train import algorithms
 from specjax.train.algorithms import SPECULATOR_TYPES
 from specjax.train.errors import RecipeError
 from specjax.train.losses import parse_loss_spec
@@ -193,7 +194,9 @@ class MTPArgs(_Section):
 SECTIONS = {"draft": DraftArgs, "data": DataArgs, "loss": LossArgs, "optimizer": OptimizerArgs,
             "scheduler": SchedulerArgs, "trainer": TrainerArgs, "dflash": DFlashArgs, "dspark": DSparkArgs,
             "peagle": PEagleArgs, "mtp": MTPArgs}
-# sections named after the one algorithm that reads them: part of a run's resume identity only then
+# sections named after the one algorithm that reads them: part of a run's resume identity only when
+# its algorithm reads them (``TrainAlgorithm.sections``); ``dflash`` stays in every run's identity,
+# as it always has, so earlier runs' fingerprints still match
 ALGORITHM_SECTIONS = ("dspark", "peagle", "mtp")
 # keys that only change outputs / logging: a resumed run may change them freely
 RESUME_SAFE = frozenset({"trainer.log_every", "trainer.keep_checkpoints", "trainer.checkpoint_every",
@@ -220,55 +223,33 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _derived(self):
-        eagle = self.speculator_type == "eagle3"
-        dfl = self.speculator_type == "dflash"
-        spark = self.speculator_type == "dspark"
+        algo = algorithms.get(self.speculator_type)
+        for key, value in algo.defaults().items():  # the algorithm's defaults for what the recipe left unset
+            section, name = key.split(".")
+            if getattr(getattr(self, section), name) is None:
+                setattr(getattr(self, section), name, value)
         d = self.draft
-        if d.draft_arch is None:
-            d.draft_arch = "llama" if eagle else "qwen3"
-        if d.norm_before_fc is None:
-            d.norm_before_fc = eagle
-        if d.norm_output is None:
-            d.norm_output = eagle
         if d.sliding_window_non_causal is None:
             d.sliding_window_non_causal = False
-        if d.num_layers is None:
-            d.num_layers = 5 if (dfl or spark) else 1
         if self.optimizer.muon_lr is None:
             self.optimizer.muon_lr = self.optimizer.lr
-        f = self.dflash
-        if f.per_position_loss_weight is None:
-            f.per_position_loss_weight = "dpace" if dfl else "fixed-exp-decay"
-        if f.block_size is None:
-            f.block_size = 16 if dfl else 8
-        if f.sample_from_anchor is None:
-            f.sample_from_anchor = spark
-        if self.loss.loss_fn is None:
-            self.loss.loss_fn = "ce" if dfl else "kl_div"
         parse_loss_spec(self.loss.loss_fn)
         if d.norm_before_fc and d.fc_norm:
             raise ValueError("draft.norm_before_fc and draft.fc_norm are mutually exclusive")
-        if f.per_position_loss_weight == "dpace" and (dfl or spark):
-            if self.loss.loss_fn != "ce":
-                raise ValueError("dflash.per_position_loss_weight=dpace requires loss.loss_fn=ce")
-            if not 0.0 < f.dpace_alpha <= 1.0:
-                raise ValueError(f"dflash.dpace_alpha must be in (0, 1], got {f.dpace_alpha}")
+        algo.validate(self)
         if d.full_attention_indices and (min(d.full_attention_indices) < 0
                                          or max(d.full_attention_indices) >= d.num_layers):
             raise ValueError(f"draft.full_attention_indices {d.full_attention_indices} must be layer ids in "
                              f"[0, {d.num_layers})")
-        k = self.dspark
-        if spark and k.enable_confidence_head and k.confidence_head_with_markov and k.markov_rank == 0:
-            raise ValueError("dspark.confidence_head_with_markov=true requires dspark.markov_rank > 0 (found 0); set "
-                             "dspark.confidence_head_with_markov=false or a positive markov_rank")
         return self
 
     # -- identity for resume
     def resume_key(self) -> dict:
         """The settings a resumed run must share (everything but RESUME_SAFE keys)."""
         doc = self.model_dump(mode="json")
+        own = algorithms.get(self.speculator_type).sections
         for sec in ALGORITHM_SECTIONS:
-            if self.speculator_type != sec:
+            if sec not in own:
                 doc.pop(sec, None)
         flat = flatten(doc)
         return {k: v for k, v in flat.items() if not any(k == s or k.startswith(s + ".") for s in RESUME_SAFE)}

@@ -26,8 +26,12 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+import bridge
 from bridge.config_doc import speculators_config_doc
 from bridge.layout import path_to_flat, to_torch
+from specjax.models.drafts.load import build_draft, module_from_flat
+from specjax.models.drafts.registry import draft_class
+from specjax.models.drafts.verifier_weights import VerifierSource, fill_verifier_weights
 
 KNOWN_VERIFIERS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
@@ -145,10 +149,6 @@ def init_draft(config_doc: dict, target, *, seed: int, t2d=None, d2t=None, flat_
     (embed_tokens, lm_head, verifier_lm_head, verifier_norm) filled from ``target`` (a specjax
     ``CausalLM``), as speculators' ``from_training_args`` does. ``flat_hook(flat) -> flat``
     replaces initial tensors (PyTorch layout) before the module is built (MTP's ``mtp.init``)."""
-    import bridge
-    from specjax.models.drafts.load import build_draft, module_from_flat
-    from specjax.models.drafts.verifier_weights import VerifierSource, fill_verifier_weights
-
     cfg = bridge.parse_config(config_doc)
     model = build_draft(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.float32)
     flat = model_flat(model)
@@ -158,24 +158,13 @@ def init_draft(config_doc: dict, target, *, seed: int, t2d=None, d2t=None, flat_
     if cfg.vocab_pruned:
         flat["t2d"], flat["d2t"] = np.asarray(t2d, bool), np.asarray(d2t, np.int64)
     src = VerifierSource.of(target)
-    flat = fill_verifier_weights(cfg.speculators_model_type, flat, hidden_size=cfg.layer.hidden_size,
-                                 vocab_size=cfg.layer.vocab_size, draft_vocab_size=cfg.draft_vocab_size, source=src,
-                                 dtype=np.float32)
+    fill = draft_class(cfg.speculators_model_type).verifier_fill
+    flat = fill_verifier_weights(fill, flat, hidden_size=cfg.layer.hidden_size, vocab_size=cfg.layer.vocab_size,
+                                 draft_vocab_size=cfg.draft_vocab_size, source=src, dtype=np.float32)
     if flat_hook is not None:
         flat = flat_hook(flat)
-    return cfg, module_from_flat(cfg, flat, dtype=jnp.float32, verifier_norm_unit_offset=src.gemma_style_norm
-                                 and cfg.speculators_model_type in ("dflash", "dspark"))
-
-
-def saved_tensors(algo: str, flat: dict, *, full_vocab: bool) -> dict:
-    drop = {"verifier_lm_head.weight", "verifier_norm.weight"}
-    if algo in ("dflash", "dspark"):
-        drop.add("embed_tokens.weight")
-        if full_vocab:
-            drop.add("lm_head.weight")
-    if algo == "mtp":
-        drop |= {"embed_tokens.weight", "lm_head.weight"}
-    return {k: v for k, v in flat.items() if k not in drop}
+    return cfg, module_from_flat(cfg, flat, dtype=jnp.float32,
+                                 verifier_norm_unit_offset=src.gemma_style_norm and fill.gemma_norm_offset)
 
 
 def export_draft(out: str | os.PathLike, model, config_doc: dict, *, export_dtype: str = "bfloat16",
@@ -187,7 +176,7 @@ def export_draft(out: str | os.PathLike, model, config_doc: dict, *, export_dtyp
     flat = model_flat(model)
     full = config_doc.get("draft_vocab_size", config_doc["transformer_layer_config"]["vocab_size"]) == \
         config_doc["transformer_layer_config"]["vocab_size"]
-    flat = saved_tensors(algo, flat, full_vocab=full)
+    flat = draft_class(algo).verifier_fill.saved(flat, full_vocab=full)
     dt = np.dtype(ml_dtypes.bfloat16) if export_dtype == "bfloat16" else np.dtype(export_dtype)
     conv = {}
     for k, v in flat.items():

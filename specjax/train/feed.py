@@ -14,7 +14,8 @@ import numpy as np
 
 from specjax.train.errors import HiddenStateCacheError
 from specjax.train.hidden_states import hs_path, read_hs
-from specjax.train.packing import PREPROCESS, collate, multipack_batches
+from specjax.train import algorithms
+from specjax.train.packing import collate, multipack_batches
 
 
 class TrainData:
@@ -27,6 +28,7 @@ class TrainData:
         self.rows = rows
         self.indices = np.asarray(list(indices), np.int64)
         self.algo = algo
+        self.shift = algorithms.get(algo).shift_batch  # speculators' shift_batch, or None
         self.num_aux = num_aux
         self.hidden = hidden_size
         self.T = total_seq_len
@@ -62,7 +64,7 @@ class TrainData:
 
     def tokens(self, idx: np.ndarray) -> int:
         """Non-padding positions of the packed row of ``idx`` (from the row lengths alone)."""
-        shift = 1 if PREPROCESS[self.algo] is not None else 0
+        shift = 1 if self.shift is not None else 0
         return min(self.T, sum(max(len(self.rows.input_ids[int(i)]) - shift, 0) for i in idx))
 
     def sample(self, i: int) -> dict:
@@ -84,7 +86,7 @@ class TrainData:
 
     def batch(self, idx: np.ndarray) -> dict:
         return collate([self.sample(int(i)) for i in idx], self.T, hidden_size=self.hidden, num_aux=self.num_aux,
-                       preprocess=PREPROCESS[self.algo])
+                       preprocess=self.shift)
 
 
 class Prefetch:

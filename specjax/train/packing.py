@@ -82,10 +82,6 @@ def shift_eagle3(s: dict) -> dict:
             "position_ids": s["position_ids"][1:]}
 
 
-# mtp: speculators' shift_batch_mtp only renames verifier_last_hidden_states -> hidden_states (the
-# step passes it as the MTP input), so the packed row is not shifted
-PREPROCESS: dict[str, Callable | None] = {"eagle3": shift_eagle3, "peagle": shift_eagle3, "dflash": None,
-                                          "dspark": None, "mtp": None}
 _KEYS = ("hidden_states", "input_ids", "verifier_last_hidden_states", "loss_mask", "position_ids")
 
 

@@ -1,7 +1,7 @@
 """The jitted train and eval steps: ``(params, opt_state, batch) -> (params, opt_state, metrics)``
-and ``(params, batch) -> metrics`` for EAGLE-3 (training-time test), P-EAGLE (COD elements drawn
-from the batch rng), DFlash / DSpark (anchors drawn from the batch rng) and MTP, on one device or
-with explicit shardings on a mesh (:mod:`specjax.train.sharded`)."""
+and ``(params, batch) -> metrics`` for every draft algorithm (the forward and objective are the
+algorithm's adapter's ``loss``, :mod:`specjax.train.algorithms`), on one device or with explicit
+shardings on a mesh (:mod:`specjax.train.sharded`)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,8 @@ import optax
 from flax import nnx
 
 from specjax import placement
-from specjax.train.cod import cod_sample
+from specjax.train import algorithms
 from specjax.train.config import TrainConfig
-from specjax.train.fast_eagle3 import ttt_forward
-from specjax.train.losses import parse_loss_spec
-from specjax.train.objectives import (
-    dflash_objective, dspark_objective, eagle3_objective, mtp_objective, mtp_step_weights, peagle_objective,
-    select_anchors,
-)
 
 TRACE_COUNT = {"train_step": 0, "eval_step": 0}  # every trace in this process (per run: StepFns.traces)
 
@@ -70,45 +64,14 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> Ste
     A batch is ``[N, T, ...]``: the loss (and so the gradient) is the mean over the ``N`` rows of
     each row's loss. The eval step sums every metric over the rows of a batch that hold tokens
     (empty filler rows count nothing)."""
-    algo = cfg.speculator_type
     cdt = jnp.bfloat16 if cfg.trainer.compute_dtype == "bfloat16" else jnp.float32
-    spec = parse_loss_spec(cfg.loss.loss_fn)
-    S = cfg.loss.ttt_steps
-    f = cfg.dflash
-    pe, ds = cfg.peagle, cfg.dspark
-    step_weights = mtp_step_weights(cfg.mtp.step_weight_beta, cfg.mtp.num_speculative_steps)
+    algorithm = algorithms.get(cfg.speculator_type)(cfg)
 
     def forward(params, frozen, batch):
         model = nnx.merge(graphdef, _cast(params, cdt), _cast(frozen, cdt))
         if "rng" in batch:
             batch = dict(batch, rng=_key(batch["rng"]))
-        y = batch["verifier_last_hidden_states"].astype(cdt)
-        if algo == "mtp":  # shift_batch_mtp: the verifier's last hidden state is the input
-            out = model(batch["input_ids"], y, position_ids=batch["position_ids"], loss_mask=batch["loss_mask"])
-            return mtp_objective(out.logits, out.labels, step_weights=step_weights)
-        hs = batch["hidden_states"].astype(cdt)
-        if algo == "eagle3":
-            out = ttt_forward(model, hs, batch["input_ids"], batch["document_ids"], batch["position_ids"], y,
-                              ttt_steps=S, stack=False)
-            return eagle3_objective(out.logits, out.targets, batch["loss_mask"], loss_spec=spec,
-                                    ttt_step_loss_decay=cfg.loss.ttt_step_loss_decay)
-        if algo == "peagle":
-            anchor_pos, depth, ok = cod_sample(batch["rng"], batch["loss_mask"], num_depths=pe.num_depths,
-                                               max_anchors=cfg.data.max_anchors, ratio=pe.down_sample_ratio,
-                                               ratio_min=pe.down_sample_ratio_min)
-            out = model(hs, batch["input_ids"], batch["document_ids"], batch["position_ids"], batch["loss_mask"], y,
-                        anchor_pos=anchor_pos, depth=depth)
-            return peagle_objective(out.logits, out.targets, out.loss_mask * ok.astype(out.loss_mask.dtype), depth,
-                                    num_depths=pe.num_depths, loss_spec=spec)
-        anchors, valid = select_anchors(batch["rng"], batch["loss_mask"], cfg.data.max_anchors, f.block_size)
-        out = model(hs, batch["input_ids"], batch["loss_mask"], y, batch["document_ids"], batch["position_ids"],
-                    anchor_positions=anchors, anchor_valid=valid)
-        kw = dict(block_size=f.block_size, loss_spec=spec, per_position_loss_weight=f.per_position_loss_weight,
-                  gamma=f.dflash_decay_gamma, dpace_alpha=f.dpace_alpha, sample_from_anchor=f.sample_from_anchor)
-        if algo == "dspark":
-            return dspark_objective(out.logits, out.targets, out.confidence, out.loss_mask,
-                                    confidence_head_alpha=ds.confidence_head_alpha, **kw)
-        return dflash_objective(out.logits, out.targets, out.loss_mask, **kw)
+        return algorithm.loss(model, batch, cdt)
 
     traces = {"train_step": 0, "eval_step": 0}
 

@@ -57,12 +57,14 @@ import numpy as np
 from flax import nnx
 
 from bridge.atomic import atomic_file
+from specjax.models.drafts.registry import draft_class
+from specjax.train import algorithms
 from specjax.train.config import TrainConfig
 from specjax.train.errors import DatasetError, HiddenStateCacheError, ResumeError, TrainError
 from specjax.train.feed import Prefetch, TrainData
 from specjax.train.metric_sinks import open_sinks
 from specjax.train.hidden_states import cache_layer_ids, default_aux_layer_ids, verify_cache
-from specjax.train.objectives import accept_estimate, normalize_metrics
+from specjax.train.objectives import normalize_metrics
 from specjax.train.optim import build_optimizer, resolve_schedule_steps
 from specjax.train.step import device_batch, make_step_fns
 
@@ -71,10 +73,11 @@ FROZEN = ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm")
 
 
 def trainable_filter_for(algo: str):
-    """Which params an algorithm trains: everything but :data:`FROZEN`, except that P-EAGLE also
-    trains ``embed_tokens`` (its config's ``embed_requires_grad`` is always True; EAGLE-3 looks its
-    embedding up under no_grad)."""
-    frozen = tuple(f for f in FROZEN if not (algo == "peagle" and f == "embed_tokens"))
+    """Which params an algorithm trains: everything but :data:`FROZEN`, except ``embed_tokens`` for
+    a draft class with ``embed_trainable`` (P-EAGLE: its config's ``embed_requires_grad`` is always
+    True; EAGLE-3 looks its embedding up under no_grad)."""
+    trains_embed = draft_class(algo).embed_trainable
+    frozen = tuple(f for f in FROZEN if not (trains_embed and f == "embed_tokens"))
     return lambda path, _value: not any(str(p) in frozen for p in path)
 
 
@@ -97,6 +100,7 @@ class Run:
         from specjax.train.metric_sinks import check_available
 
         self.cfg = cfg
+        self.algorithm = algorithms.get(cfg.speculator_type)(cfg)  # everything algorithm-specific
         self.main = is_main_process()
         self.log = (log or (lambda s: None)) if self.main else (lambda s: None)
         self.progress = progress and self.main
@@ -120,7 +124,8 @@ class Run:
             records = recipe_prompts(cfg)  # a bad prompt input fails here, before the target loads
         from specjax.models.loading import LoadedTarget, load_target
 
-        if target is None and not needs_prepare(cfg) and cfg.speculator_type != "mtp" and not cfg.data.online:
+        if target is None and not needs_prepare(cfg) and not self.algorithm.reads_target_layers \
+                and not cfg.data.online:
             target = target_info_if_light(cfg.target)  # data cached: no target weights on the device
         if target is None:
             if self.mesh is not None:  # straight into its shardings (TARGET_RULES): no full copy on one device
@@ -190,10 +195,7 @@ class Run:
         if Vd > V:
             raise TrainError(f"draft.draft_vocab_size {Vd} is larger than the target vocabulary ({V})",
                              key="draft.draft_vocab_size")
-        if algo == "mtp":  # before any vocabulary work: MTP has none
-            from specjax.train.draft_doc import check_mtp_target
-
-            check_mtp_target(target, Vd)
+        self.algorithm.check_target(target, Vd)  # before any vocabulary work (MTP has none)
         self.t2d = self.d2t = None
         if Vd != V:
             from specjax.train.vocab import (
@@ -281,11 +283,7 @@ class Run:
         from specjax.train.export import init_draft
 
         cfg = self.cfg
-        hook = None
-        if cfg.speculator_type == "mtp":
-            from specjax.train.mtp_init import apply_mtp_init
-
-            hook = lambda flat: apply_mtp_init(flat, self.target, cfg.mtp.init)  # noqa: E731
+        hook = self.algorithm.flat_hook(self.target)
         # the verifier's embedding / head: from the loaded model, else read from its checkpoint files
         source = self.target.model if self.target.model is not None else self.target.source
         self.draft_cfg, model = init_draft(self.config_doc, source, seed=cfg.seed, t2d=self.t2d,
@@ -487,7 +485,6 @@ class Run:
                            resume_step=start + 1 if self.resume else None) if main else None
         bar = tqdm(total=self.total_steps, initial=start, unit="step", desc=f"train {cfg.speculator_type}",
                    disable=not self.progress, dynamic_ncols=True)
-        S = cfg.loss.ttt_steps
         step = start
         last_val_epoch = None
         tok_seen = 0
@@ -515,22 +512,10 @@ class Run:
                 rec = {"step": step, "epoch": epoch, "tokens": tok,
                        "lr": {k: float(fn(gstep)) for k, fn in self.lr_fns.items()},
                        "tok_per_s": round(tok_seen / max(el, 1e-9), 1), **{k: round(v, 6) for k, v in mh.items()}}
-                if cfg.speculator_type == "eagle3":
-                    rec["accept_est"] = round(accept_estimate(mh, S), 4)
+                rec.update(self.algorithm.record_fields(mh))
                 write(rec)
                 summary_metrics = rec
-                post = {"loss": f"{mh['loss']:.3f}"}
-                if "accept_est" in rec:
-                    post["acc0"] = f"{mh.get('full_acc_0', 0):.2f}"
-                    post["tau~"] = f"{rec['accept_est']:.2f}"
-                elif "accept_len" in mh:
-                    post["accept_len"] = f"{mh['accept_len']:.2f}"
-                elif "eal" in mh:
-                    post["eal"] = f"{mh['eal']:.2f}"
-                elif "full_acc" in mh:
-                    post["acc"] = f"{mh['full_acc']:.2f}"
-                elif "acc_step_0" in mh:
-                    post["acc0"] = f"{mh['acc_step_0']:.2f}"
+                post = {"loss": f"{mh['loss']:.3f}", **self.algorithm.postfix(mh, rec)}
                 post["tok/s"] = f"{rec['tok_per_s']:.0f}"
                 bar.set_postfix(post)
             bar.update(1)
@@ -539,8 +524,7 @@ class Run:
                 vm = self.validate(params)
                 last_val_epoch = step
                 vrec = {"split": "val", "step": step, "epoch": epoch, **{k: round(v, 6) for k, v in vm.items()}}
-                if cfg.speculator_type == "eagle3":
-                    vrec["accept_est"] = round(accept_estimate(vm, S), 4)
+                vrec.update(self.algorithm.record_fields(vm))
                 write(vrec)
                 if cfg.trainer.save_best and (best["val_loss"] is None or vm["loss"] < best["val_loss"]):
                     best = {"val_loss": vm["loss"], "step": step, "metrics": vrec}

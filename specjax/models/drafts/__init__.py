@@ -22,6 +22,7 @@ _EXPORTS = {
     "Eagle3Draft": "eagle3", "PEagleDraft": "peagle", "DFlashDraft": "dflash", "DSparkDraft": "dspark",
     "MTPDraft": "mtp", "DraftCache": "common", "DecoderSpec": "spec", "trainable": "common",
     "frozen_params": "common", "greedy": "common",
+    "draft_class": "registry", "DRAFTS": "registry",
     "load_draft": "load", "build_draft": "load", "module_from_flat": "load", "DraftAuditError": "load",
     "VerifierSource": "verifier_weights", "fill_verifier_weights": "verifier_weights",
     "MissingVerifierWeightsError": "verifier_weights",

@@ -25,6 +25,7 @@ from specjax.kernels import tpu as kt
 from specjax.kernels.tpu.decode import LANES
 from specjax.models import panels
 from specjax.models.drafts.spec import DecoderSpec
+from specjax.models.drafts.verifier_weights import VerifierFill
 from specjax.models.layers import INIT_STD, Embed, RMSNorm, attend, dense, first_argmax
 from specjax.models.rope import apply_rope
 
@@ -226,9 +227,10 @@ def greedy(logits, key=None):  # noqa: ARG001
 def frozen_params(model) -> tuple[str, ...]:
     """Top-level param names speculators freezes (``requires_grad=False``) for this draft:
     lm_head, verifier_lm_head and verifier_norm always; embed_tokens unless the draft trains
-    it (P-EAGLE with ``embed_requires_grad``; EAGLE-3's lookup runs under ``no_grad`` anyway)."""
+    it (a class with ``embed_trainable`` and a config with ``embed_requires_grad``: P-EAGLE;
+    EAGLE-3's lookup runs under ``no_grad`` anyway)."""
     names = ["lm_head", "verifier_lm_head", "verifier_norm"]
-    if not (model.algorithm == "peagle" and getattr(model, "embed_requires_grad", False)):
+    if not (type(model).embed_trainable and getattr(model, "embed_requires_grad", False)):
         names.append("embed_tokens")
     return tuple(names)
 
@@ -241,16 +243,45 @@ def trainable(model):
 class TargetTaps:
     """Which target hidden states a draft consumes, as tap ids of ``specjax.models.CausalLM``
     (id k < n: residual stream entering layer k = HF ``hidden_states[k]``; id n: final pre-norm
-    state), and how they are concatenated (aux-id order, the order ``fc`` was trained on)."""
+    state), and how they are concatenated (aux-id order, the order ``fc`` was trained on).
 
+    The base of every draft class, and so the home of what the rest of the code asks about an
+    algorithm at the model level (each draft class overrides what differs):
+
+    - ``algorithm``: the ``speculators_model_type`` (the registry key,
+      :mod:`specjax.models.drafts.registry`);
+    - ``verifier_fill``: how the verifier-owned tensors are filled and saved
+      (:class:`~specjax.models.drafts.verifier_weights.VerifierFill`);
+    - ``embed_trainable``: the draft may train its embedding (with ``embed_requires_grad``);
+    - ``vocab_reduction``: the draft may predict over a pruned vocabulary (t2d / d2t);
+    - :meth:`pair_problems`: why a checkpoint config does not fit a target config."""
+
+    algorithm: str = ""
     aux_layer_ids: tuple | None = None
+    verifier_fill: VerifierFill = VerifierFill()
+    embed_trainable: bool = False
+    vocab_reduction: bool = True
 
     def tap_ids(self, num_target_layers: int) -> tuple[int, ...]:
         n = int(num_target_layers)
-        if self.algorithm == "mtp":
-            return (n,)
         # speculators resolves a missing list to [2, n // 2, n - 3] from the verifier config
         return tuple(self.aux_layer_ids) if self.aux_layer_ids else (2, n // 2, n - 3)
+
+    def max_proposal(self) -> int | None:
+        """Tokens one proposal can hold: None for a chain draft (any k); a block draft's block."""
+        return None
+
+    @classmethod
+    def pair_problems(cls, draft_config, target_config) -> list[str]:
+        """What in a checkpoint's config (bridge) does not fit a target's config, beyond hidden
+        size, vocabulary and architecture (checked for every draft): here, the aux layer ids."""
+        n = target_config.num_hidden_layers
+        aux = draft_config.aux_layer_ids
+        bad = [i for i in aux or () if not 0 <= int(i) <= n]
+        if bad:
+            return [f"aux hidden-state layer ids: draft needs {list(aux)} ({bad} out of range) vs target "
+                    f"num_hidden_layers {n} (valid ids 0..{n})"]
+        return []
 
     def aux_from_taps(self, taps):
         """Target ``aux_hidden_states`` (one [B, T, H] per tap id, in tap_ids order) -> [B, T, A*H]."""

@@ -37,6 +37,7 @@ from specjax.models.drafts.common import (
 )
 from specjax.models.drafts.eagle3 import Proposal
 from specjax.models.drafts.spec import DecoderSpec, DraftConfigError
+from specjax.models.drafts.verifier_weights import VerifierFill
 from specjax.models.drafts.vocab import draft_to_target
 from specjax.models.layers import RMSNorm, attend, dense
 from specjax.models.rope import apply_rope, rope_cos_sin
@@ -74,6 +75,7 @@ def block_mask(document_ids, anchors, block_size: int, *, window: int | None, no
 
 class DFlashDraft(TargetTaps, nnx.Module):
     algorithm = "dflash"
+    verifier_fill = VerifierFill(embed="always", lm_head="always_full_vocab", gemma_norm_offset=True)
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
                  verifier_norm_unit_offset: bool = False, verifier_heads: bool = True):
@@ -240,6 +242,9 @@ class DFlashDraft(TargetTaps, nnx.Module):
         if k > full:
             raise DraftConfigError(f"a {self.algorithm} block drafts {full} tokens; asked for {k}", key="k")
         return int(k)
+
+    def max_proposal(self) -> int:
+        return self.num_block_tokens()
 
     def propose(self, cache: DraftCache, anchor_tokens, anchor_positions, *, sample: Callable = greedy,
                 key=None, k: int | None = None) -> Proposal:

@@ -190,7 +190,7 @@ class Eagle3Draft(ChainProposer, nnx.Module):
 
     def embed(self, ids):
         e = self.embed_tokens(ids)
-        return e if self.embed_requires_grad and self.algorithm == "peagle" else jax.lax.stop_gradient(e)
+        return e if self.embed_trainable and self.embed_requires_grad else jax.lax.stop_gradient(e)
 
     def head(self, out):
         """-> (logits [.., Vd], hidden fed forward)."""

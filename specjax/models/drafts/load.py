@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.models.drafts.registry import draft_class
 from specjax.models.drafts.verifier_weights import VerifierSource, fill_verifier_weights
 from specjax.models.drafts.vocab import check_mapping
 from specjax.models.errors import ModelError
@@ -43,25 +44,14 @@ class DraftAuditError(ModelError):
 Place = Callable[[tuple, Any], jax.Array]
 
 
-_CLASSES = {"eagle3": ("eagle3", "Eagle3Draft"), "peagle": ("peagle", "PEagleDraft"),
-            "dflash": ("dflash", "DFlashDraft"), "dspark": ("dspark", "DSparkDraft"), "mtp": ("mtp", "MTPDraft")}
-
-
-def draft_class(algorithm: str) -> type:
-    import importlib
-
-    mod, name = _CLASSES[algorithm]
-    return getattr(importlib.import_module(f"specjax.models.drafts.{mod}"), name)
-
-
 def build_draft(config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32, abstract: bool = False,
                 verifier_norm_unit_offset: bool = False, verifier_heads: bool = True):
     """The (randomly initialised, or ``abstract``) draft module for a bridge config."""
     cls = draft_class(config.speculators_model_type)
     kw = {"param_dtype": param_dtype}
-    if config.speculators_model_type in ("dflash", "dspark"):
+    if cls.verifier_fill.gemma_norm_offset:
         kw["verifier_norm_unit_offset"] = verifier_norm_unit_offset
-    if config.speculators_model_type != "mtp":
+    if cls.verifier_fill.verifier_heads:
         kw["verifier_heads"] = verifier_heads
     if abstract:
         return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), **kw))
@@ -151,9 +141,10 @@ def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit
     check_mapping(flat.get("t2d"), flat.get("d2t"), vocab_size=lc.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
                   where=str(path))
     source = _source(target, cfg)
-    flat = fill_verifier_weights(cfg.speculators_model_type, flat, hidden_size=lc.hidden_size,
-                                 vocab_size=lc.vocab_size, draft_vocab_size=cfg.draft_vocab_size, source=source,
-                                 where=str(path), verifier_heads=verifier_heads)
-    unit = bool(source is not None and source.gemma_style_norm and cfg.speculators_model_type in ("dflash", "dspark"))
+    fill = draft_class(cfg.speculators_model_type).verifier_fill
+    flat = fill_verifier_weights(fill, flat, hidden_size=lc.hidden_size, vocab_size=lc.vocab_size,
+                                 draft_vocab_size=cfg.draft_vocab_size, source=source, where=str(path),
+                                 verifier_heads=verifier_heads)
+    unit = bool(source is not None and source.gemma_style_norm and fill.gemma_norm_offset)
     return module_from_flat(cfg, flat, dtype=dtype, where=str(path), verifier_norm_unit_offset=unit,
                             verifier_heads=verifier_heads, place=place, check=check)

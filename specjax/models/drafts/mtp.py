@@ -40,6 +40,7 @@ from specjax.models.drafts.common import (
 )
 from specjax.models.drafts.eagle3 import ChainOutput, ChainProposer
 from specjax.models.drafts.spec import DecoderSpec, DraftConfigError
+from specjax.models.drafts.verifier_weights import VerifierFill
 from specjax.models.layers import DecoderLayer, RMSNorm, dense
 from specjax.models.rope import rope_cos_sin
 
@@ -93,6 +94,19 @@ def packed_causal_spec(position_ids, attention_mask=None):
 class MTPDraft(ChainProposer, nnx.Module):
     algorithm = "mtp"
     token_position_offset = 0  # a row's position is its hidden state's, pos(t)
+    # the verifier's own embedding and head, over its full vocabulary; no verifier heads
+    verifier_fill = VerifierFill(embed="always", lm_head="always", verifier_heads=False)
+    vocab_reduction = False  # speculators 0.9.0: "Vocab reduction is not supported for MTP speculators"
+
+    def tap_ids(self, num_target_layers: int) -> tuple[int, ...]:
+        return (int(num_target_layers),)  # the final pre-norm state only
+
+    @classmethod
+    def pair_problems(cls, draft_config, target_config) -> list[str]:
+        mt = draft_config.transformer_layer_config.get("model_type")
+        if mt and mt != target_config.family:
+            return [f"verifier family: MTP head of model_type {mt!r} vs target {target_config.family!r}"]
+        return []
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32):
         """``config``: bridge ``MTPConfig`` (``transformer_layer_config`` is the verifier's own)."""

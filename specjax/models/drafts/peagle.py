@@ -55,6 +55,7 @@ def peagle_mask(anchor_pos, depth, document_ids, window: int | None):
 
 class PEagleDraft(Eagle3Draft):
     algorithm = "peagle"
+    embed_trainable = True  # speculators' P-EAGLE config always has embed_requires_grad
     token_position_offset = 0  # training RoPE positions are packed-row indices of the aux rows
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -49,6 +50,44 @@ ALIASES: dict[str, list[str]] = {
 GEMMA_STYLE_FINAL_NORM = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_5", "qwen3_5_text",
                                     "recurrent_gemma"})
 VERIFIER_OWNED = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+@dataclass(frozen=True)
+class VerifierFill:
+    """One row of the table above: how a draft algorithm's verifier-owned tensors are filled from
+    the verifier and which of them its checkpoint stores. Each draft class carries its row as
+    ``verifier_fill``.
+
+    ``embed``: ``"always"`` (rewritten from the verifier) or ``"if_missing"`` (only if absent or
+    NaN). ``lm_head``: ``"always"``, ``"always_full_vocab"`` (always for a full vocabulary, else
+    only if absent or NaN) or ``"if_missing"``. ``verifier_heads``: the draft has
+    ``verifier_lm_head`` / ``verifier_norm``. ``gemma_norm_offset``: ``verifier_norm`` follows a
+    Gemma-style verifier's ``x * (1 + w)``."""
+
+    embed: str = "if_missing"
+    lm_head: str = "if_missing"
+    verifier_heads: bool = True
+    gemma_norm_offset: bool = False
+
+    def owned(self) -> tuple[str, ...]:
+        """The verifier-owned tensors a complete draft of this algorithm holds."""
+        return VERIFIER_OWNED if self.verifier_heads else VERIFIER_OWNED[:2]
+
+    def always_embed(self) -> bool:
+        return self.embed == "always"
+
+    def always_lm_head(self, *, pruned: bool) -> bool:
+        return self.lm_head == "always" or (self.lm_head == "always_full_vocab" and not pruned)
+
+    def saved(self, flat: Mapping[str, Any], *, full_vocab: bool) -> dict[str, Any]:
+        """``flat`` without what a speculators checkpoint of this algorithm leaves to the verifier:
+        the verifier heads always, and every tensor the load rewrites anyway."""
+        drop = {"verifier_lm_head.weight", "verifier_norm.weight"}
+        if self.always_embed():
+            drop.add("embed_tokens.weight")
+        if self.always_lm_head(pruned=not full_vocab):
+            drop.add("lm_head.weight")
+        return {k: v for k, v in flat.items() if k not in drop}
 
 
 class MissingVerifierWeightsError(ModelError):
@@ -161,15 +200,11 @@ def _has_nan(a) -> bool:
     return False
 
 
-def owned_tensors(algo: str) -> tuple[str, ...]:
-    return ("embed_tokens.weight", "lm_head.weight") if algo == "mtp" else VERIFIER_OWNED
-
-
-def fill_verifier_weights(algo: str, flat: Mapping[str, Any], *, hidden_size: int, vocab_size: int,
+def fill_verifier_weights(fill: VerifierFill, flat: Mapping[str, Any], *, hidden_size: int, vocab_size: int,
                           draft_vocab_size: int, source: VerifierSource | None, dtype=None,
                           where: str | None = None, verifier_heads: bool = True) -> dict[str, Any]:
     """Return ``flat`` (PyTorch-layout names) with the verifier-owned tensors filled per the
-    table above. ``dtype``: the dtype the filled tensors get (default: the float dtype of the
+    table above (``fill``: the draft class's row, its ``verifier_fill``). ``dtype``: the dtype the filled tensors get (default: the float dtype of the
     checkpoint's own weights, else float32). ``verifier_heads=False``: verifier_lm_head and
     verifier_norm are neither required nor returned (inference-only drafts)."""
     out = dict(flat)
@@ -201,13 +236,11 @@ def fill_verifier_weights(algo: str, flat: Mapping[str, Any], *, hidden_size: in
             raise MissingVerifierWeightsError("the draft vocabulary is pruned but the checkpoint has no t2d, so the "
                                               "lm_head rows cannot be selected", path=where, key="t2d")
         rows = select_rows(lm, t2d)
-        always_embed = algo in ("dflash", "dspark", "mtp")
-        always_lm = algo == "mtp" or (algo in ("dflash", "dspark") and not pruned)
-        if always_embed or needs("embed_tokens.weight"):
+        if fill.always_embed() or needs("embed_tokens.weight"):
             out["embed_tokens.weight"] = np.asarray(embed).astype(dtype)
-        if always_lm or needs("lm_head.weight"):
+        if fill.always_lm_head(pruned=pruned) or needs("lm_head.weight"):
             out["lm_head.weight"] = np.asarray(rows).astype(dtype)
-        if algo != "mtp":
+        if fill.verifier_heads:
             out["verifier_lm_head.weight"] = np.asarray(rows).astype(dtype)
             norm = source.lookup("model.norm.weight")
             if norm is None:
@@ -218,12 +251,10 @@ def fill_verifier_weights(algo: str, flat: Mapping[str, Any], *, hidden_size: in
                 raise VerifierSourceError(f"verifier final norm resolved to a tensor of shape {list(np.shape(norm))}; "
                                           f"expected [{hidden_size}]", path=source.where, key="model.norm.weight")
             out["verifier_norm.weight"] = np.asarray(norm).astype(dtype)
-    elif algo == "mtp":
-        out.pop("verifier_lm_head.weight", None)
-    if not verifier_heads:
+    if not (verifier_heads and fill.verifier_heads):
         out.pop("verifier_lm_head.weight", None)
         out.pop("verifier_norm.weight", None)
-    owned = [n for n in owned_tensors(algo) if verifier_heads or not n.startswith("verifier_")]
+    owned = [n for n in fill.owned() if verifier_heads or not n.startswith("verifier_")]
     bad = [n for n in owned if needs(n)]
     if bad:
         what = ", ".join(f"{n} ({'absent' if n not in out else 'NaN'})" for n in bad)
@@ -231,7 +262,4 @@ def fill_verifier_weights(algo: str, flat: Mapping[str, Any], *, hidden_size: in
             f"{what}: these verifier-owned tensors are not in the checkpoint (or hold NaN sentinels) and no verifier "
             "was given to fill them; pass the target model (directory or loaded model) as the verifier",
             path=where, key=bad[0])
-    if algo == "mtp":
-        out.pop("verifier_lm_head.weight", None)
-        out.pop("verifier_norm.weight", None)
     return out

@@ -1,0 +1,41 @@
+"""P-EAGLE training: COD elements (anchor, depth) drawn from the batch rng
+(:func:`specjax.train.cod.cod_sample`), one parallel forward over them, per-depth objective.
+P-EAGLE always trains its embedding (speculators' ``from_training_args`` never passes the flag;
+the draft class says so: ``PEagleDraft.embed_trainable``)."""
+
+from __future__ import annotations
+
+from specjax.train.algorithms.eagle3 import Eagle3
+from specjax.train.cod import cod_sample
+from specjax.train.objectives import peagle_objective
+
+
+class PEagle(Eagle3):
+    name = "peagle"
+    sections = ("peagle",)
+    recipe_defaults = {}
+    needs_mask_token = True
+
+    def config_fields(self, mask_token_id):
+        extra = self.head_fields(embed_requires_grad=self.draft_class().embed_trainable)
+        return dict(extra, mask_token_id=mask_token_id), self.cfg.peagle.num_depths
+
+    def loss(self, model, batch, cdt):
+        pe = self.cfg.peagle
+        anchor_pos, depth, ok = cod_sample(batch["rng"], batch["loss_mask"], num_depths=pe.num_depths,
+                                           max_anchors=self.cfg.data.max_anchors, ratio=pe.down_sample_ratio,
+                                           ratio_min=pe.down_sample_ratio_min)
+        out = model(batch["hidden_states"].astype(cdt), batch["input_ids"], batch["document_ids"],
+                    batch["position_ids"], batch["loss_mask"], batch["verifier_last_hidden_states"].astype(cdt),
+                    anchor_pos=anchor_pos, depth=depth)
+        return peagle_objective(out.logits, out.targets, out.loss_mask * ok.astype(out.loss_mask.dtype), depth,
+                                num_depths=pe.num_depths, loss_spec=self.loss_spec)
+
+    def record_fields(self, metrics):
+        return {}
+
+    def postfix(self, metrics, record):
+        return super(Eagle3, self).postfix(metrics, record)
+
+
+ALGORITHM = PEagle
