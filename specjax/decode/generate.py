@@ -210,22 +210,52 @@ def _pin(cache, mesh):
     return constrain_cache(cache, mesh)
 
 
+class Capture(NamedTuple):
+    """The generate loop's record of tapped hidden states (``tap_ids`` given): generated token
+    ``j``'s states come from the step that feeds it, so the loop runs one step past the last token."""
+
+    hs: jax.Array  # [B, N, L, H]: the tapped states of generated token j
+    captured: jax.Array  # int32 [B]: tokens whose states are recorded
+
+
 def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int,
                    max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype, mesh=None,
-                   packed_len: int | None = None, prefill_chunk: int | None = None):
+                   packed_len: int | None = None, prefill_chunk: int | None = None, tap_ids: Sequence[int] = (),
+                   capture_dtype=None):
+    """The loop. Returns ``(tokens, num_tokens, eos_hit)``; with ``tap_ids`` also the prompt rows'
+    tapped states ``[B, P, L, H]`` and the generated tokens' ``[B, N, L, H]`` (:class:`Capture`),
+    in ``capture_dtype`` (the self-distillation data path)."""
     B = prompt_ids.shape[0]
-    st, _ = start(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
-                  max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh,
-                  packed_len=packed_len, prefill_chunk=prefill_chunk)
+    taps = tuple(int(t) for t in tap_ids)
+    st, aux = start(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
+                    max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh,
+                    packed_len=packed_len, prefill_chunk=prefill_chunk, tap_ids=taps)
+    if not taps:
+        def cond(s: DecodeState):
+            return (s.step < max_new_tokens - 1) & ~jnp.all(s.done)
 
-    def cond(s: DecodeState):
-        return (s.step < max_new_tokens - 1) & ~jnp.all(s.done)
+        def body(s: DecodeState):
+            return decode_step(model, s, eos_ids, sampling=sampling, pad_id=pad_id, mesh=mesh)
 
-    def body(s: DecodeState):
-        return decode_step(model, s, eos_ids, sampling=sampling, pad_id=pad_id, mesh=mesh)
+        st = jax.lax.while_loop(cond, body, st)
+        return st.tokens, st.num_tokens, st.eos_hit
+    cap = Capture(jnp.zeros((B, max_new_tokens, len(taps), model.config.hidden_size), capture_dtype),
+                  jnp.zeros((B,), jnp.int32))
 
-    st = jax.lax.while_loop(cond, body, st)
-    return st.tokens, st.num_tokens, st.eos_hit
+    def cond_capture(c):
+        s, cap = c
+        return jnp.any(cap.captured < s.num_tokens) & (s.step <= max_new_tokens)
+
+    def body_capture(c):
+        s, cap = c
+        need = cap.captured < s.num_tokens  # the token fed now (the last emitted) is not recorded yet
+        s2, out_taps = decode_step_taps(model, s, eos_ids, sampling=sampling, pad_id=pad_id, mesh=mesh, tap_ids=taps)
+        new = jnp.stack([a[:, 0] for a in out_taps], axis=1).astype(capture_dtype)  # [B, L, H]
+        slot = jnp.where(need, cap.captured, max_new_tokens)  # max_new_tokens = dropped
+        return s2, Capture(cap.hs.at[jnp.arange(B), slot].set(new, mode="drop"), cap.captured + need.astype(jnp.int32))
+
+    st, cap = jax.lax.while_loop(cond_capture, body_capture, (st, cap))
+    return st.tokens, st.num_tokens, st.eos_hit, jnp.stack(aux, axis=2).astype(capture_dtype), cap.hs
 
 
 def decode_step(model: CausalLM, s: DecodeState, eos_ids, *, sampling: SamplingParams, pad_id: int,
@@ -233,18 +263,27 @@ def decode_step(model: CausalLM, s: DecodeState, eos_ids, *, sampling: SamplingP
     """One iteration of the generate loop: a target forward of each sequence's last token over
     its cache, sample, emit. (A program of its own for per-step figures: ``cost_analysis``
     counts a ``while_loop`` body once.)"""
+    return decode_step_taps(model, s, eos_ids, sampling=sampling, pad_id=pad_id, mesh=mesh)[0]
+
+
+def decode_step_taps(model: CausalLM, s: DecodeState, eos_ids, *, sampling: SamplingParams, pad_id: int,
+                     mesh=None, tap_ids: Sequence[int] = ()) -> tuple[DecodeState, tuple]:
+    """:func:`decode_step`, also returning the fed tokens' tapped hidden states (``[B, 1, H]`` per
+    tap id)."""
     B = s.last.shape[0]
-    out = model(s.last[:, None], cache=s.cache, logits_at=jnp.zeros((B,), jnp.int32))
+    out = model(s.last[:, None], cache=s.cache, tap_ids=tuple(tap_ids), logits_at=jnp.zeros((B,), jnp.int32))
     k, sub = jax.random.split(s.key)
     nxt = sample(sub, out.logits, sampling)
     s = s._replace(step=s.step + 1, cache=_pin(out.cache, mesh), key=k)
-    return emit(s, nxt[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id)
+    return emit(s, nxt[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id), out.aux_hidden_states
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id",
-                                             "cache_dtype", "packed_len", "prefill_chunk", "platform"))
+                                             "cache_dtype", "packed_len", "prefill_chunk", "platform", "tap_ids",
+                                             "capture_dtype"))
 def _generate_jit(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens, max_len,
-                  sampling, pad_id, cache_dtype, packed_len=None, prefill_chunk=None, platform=None):
+                  sampling, pad_id, cache_dtype, packed_len=None, prefill_chunk=None, platform=None, tap_ids=(),
+                  capture_dtype=None):
     """``platform`` (static: part of the trace cache key): where the params live, read by the
     platform-specific layers (:mod:`specjax.placement`)."""
     TRACE_COUNT["generate"] += 1
@@ -252,7 +291,21 @@ def _generate_jit(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_id
         model = nnx.merge(graphdef, params)
         return _generate_core(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
                               max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype,
-                              packed_len=packed_len, prefill_chunk=prefill_chunk)
+                              packed_len=packed_len, prefill_chunk=prefill_chunk, tap_ids=tap_ids,
+                              capture_dtype=capture_dtype)
+
+
+def generate_padded(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int,
+                    max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype, tap_ids: Sequence[int] = (),
+                    capture_dtype=None, packed_len: int | None = None):
+    """The jitted loop on one device over already padded arrays (``params`` as placed: pass the
+    panel view, :func:`specjax.models.panels.decode_state`, on a CPU); one compile per shape.
+    Returns :func:`_generate_core`'s tuple (with the captured states when ``tap_ids`` are given)."""
+    return _generate_jit(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_ids,
+                         max_new_tokens=int(max_new_tokens), max_len=int(max_len), sampling=sampling, pad_id=int(pad_id),
+                         cache_dtype=cache_dtype, packed_len=packed_len, platform=placement.platform_of(params),
+                         tap_ids=tuple(int(t) for t in tap_ids),
+                         capture_dtype=None if capture_dtype is None else jnp.dtype(capture_dtype))
 
 
 _SHARDED_JITS: dict = {}

@@ -32,6 +32,7 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.safetensors_io import SafetensorsFile, write_safetensors
+from specjax.decode.generate import bucket as round_up
 from specjax.train.dataset import TokenRows
 from specjax.train.errors import HiddenStateCacheError
 
@@ -148,17 +149,13 @@ def check_record(rec: HSRecord, *, input_ids: np.ndarray, num_layers: int, hidde
 # ----------------------------------------------------------------------------- extraction
 
 
-def _bucket(n: int, m: int) -> int:
-    return max(m, -(-n // m) * m)
-
-
 def plan_batches(lengths: Sequence[int], *, max_tokens: int, bucket: int = 64, max_batch: int = 64) -> list[list[int]]:
     """Group row indices (sorted by length) into batches of one padded shape each, at most
     ``max_tokens`` padded tokens (and ``max_batch`` rows) per batch."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     batches, cur, cur_len = [], [], 0
     for i in order:
-        L = _bucket(lengths[i], bucket)
+        L = round_up(lengths[i], bucket)
         if cur and (max(cur_len, L) * (len(cur) + 1) > max_tokens or len(cur) >= max_batch or L != cur_len):
             batches.append(cur)
             cur, cur_len = [], 0
@@ -281,7 +278,7 @@ def extract_hidden_states(model, rows: TokenRows, data_dir: str | os.PathLike, *
         log(f"{skipped} of {len(todo_all)} rows already cached; extracting {len(todo)}")
     for b in batches:
         idx = [todo[k] for k in b]
-        T = min(_bucket(max(len(rows.input_ids[i]) for i in idx), 64), ctx)
+        T = min(round_up(max(len(rows.input_ids[i]) for i in idx), 64), ctx)
         B = len(idx) if mesh is None else shd.pad_batch(len(idx), mesh)  # padding rows: token 0, dropped
         ids = np.zeros((B, T), np.int32)
         for r, i in enumerate(idx):

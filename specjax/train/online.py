@@ -16,6 +16,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from specjax.decode.generate import bucket as round_up
 from specjax.processes import process_count
 from specjax.train.errors import TrainError
 from specjax.train.hidden_states import make_tap_fn
@@ -36,7 +37,7 @@ class OnlineStates:
     def __call__(self, ids) -> np.ndarray:
         ids = np.asarray(ids)
         T = len(ids)
-        Tp = -(-T // self.bucket) * self.bucket
+        Tp = round_up(T, self.bucket)
         x = np.zeros((self.rows, Tp), np.int32)
         x[:, :T] = ids
         self.lengths.add(Tp)
