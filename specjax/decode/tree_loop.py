@@ -1,0 +1,188 @@
+"""Speculative decoding over a static token tree: draft a tree, verify it in one target forward,
+accept the longest path, commit it -- the whole loop one ``jax.jit`` with ``lax.while_loop``, as
+the chain loop of :mod:`specjax.decode.speculative`.
+
+One round (``B`` sequences, tree of ``N`` drafted nodes and depth ``D``, :mod:`specjax.decode.tree`):
+
+1. **verify**: the target runs over ``[last, node_1..node_N]`` ([B, N+1]) with the tree mask
+   (slots ``L..L+N``, positions ``L + depth``), returning logits and taps per node;
+2. **accept** (:func:`specjax.decode.tree.accept_tree`): the longest root path the target agrees
+   with (greedy) or multi-candidate rejection sampling down the tree (lossless; proposals are
+   point masses on the draft's top-c tokens), ``n`` drafted nodes plus one correction / bonus;
+3. **commit**: :func:`specjax.decode.tree.compact_cache` moves the path's K/V rows to slots
+   ``L..L+n``; :func:`specjax.decode.generate.emit` appends the ``n + 1`` tokens;
+4. **hand-off**: the draft receives the target rows of the path's nodes (the taps gathered by
+   ``path``) with the token after each, at positions ``L..L+n`` -- the chain hand-off, rows
+   chosen by the path -- and drafts the next tree (:func:`propose_tree`).
+
+Drafting a static tree needs a chain draft's teacher-forced ``propose(..., forced=)`` (EAGLE-3,
+MTP): node i's children are the draft's top-c tokens after the root-to-i path, one forced chain
+per internal node (a tree-attention draft forward, one per depth, is the cheaper form; not yet).
+Single device; no sharded tree loop yet.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import placement
+from specjax.decode.generate import DecodeState, cache_dtype_of, emit, prepare, start
+from specjax.decode.sampling import SamplingParams
+from specjax.decode.speculative import GREEDY, SpecResult, _draft_dtype, _Pair, as_spec_draft, split_pair
+from specjax.decode.spec_stats import SpecStats
+from specjax.decode.tree import TokenTree, accept_tree, compact_cache, parse_tree
+from specjax.kernels import tpu as kt
+from specjax.models import panels
+from specjax.models.drafts.common import d2t_of
+from specjax.models.drafts.vocab import draft_to_target
+from specjax.models.errors import ModelError
+from specjax.models.target import CausalLM
+
+
+class TreeDraftError(ModelError, TypeError):
+    """The draft cannot propose a token tree (no teacher-forced chain ``propose``)."""
+
+
+class TreeState(NamedTuple):
+    dec: DecodeState
+    dcache: Any  # the draft's cache pytree
+    nodes: jax.Array  # int32 [B, N+1]: the pending tree's tokens (column 0 unused until verify)
+    hist: jax.Array  # int32 [B, D+1]: rounds in which each sequence accepted j drafted nodes
+
+
+def check_tree_draft(draft) -> None:
+    if not callable(getattr(draft, "propose", None)):
+        raise TreeDraftError(f"a {getattr(draft, 'algorithm', type(draft).__name__)} draft cannot draft a token "
+                             "tree: it needs a chain draft's propose(..., forced=) (EAGLE-3, MTP)", key="tree")
+
+
+def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree: TokenTree):
+    """Draft ``tree`` after the committed rows (the arguments of ``draft.speculate``). Node i's
+    children (rank order) are the draft's top-c tokens after the root-to-i path. Returns
+    (nodes int32 [B, N+1], target ids, column 0 zero; the draft cache with the committed rows)."""
+    B = next_tokens.shape[0]
+    pos = positions + getattr(draft, "token_position_offset", 0)
+    d2t = d2t_of(draft)
+    nodes = jnp.zeros((B, tree.num_nodes + 1), jnp.int32)
+    cache = None
+    for i in range(tree.num_nodes + 1):  # static: parents before children, so their tokens are known
+        kids = tree.children[i][tree.children[i] >= 0]
+        if len(kids) == 0:
+            continue
+        d = int(tree.depth[i])
+        forced = nodes[:, tree.path_nodes[i][1:d + 1]] if d else None  # [B, d] the path's tokens
+        prop = draft.propose(dcache, rows, next_tokens, pos, k=d + 1, n_valid=n_valid, forced=forced)
+        top = jax.lax.top_k(prop.logits[:, d].astype(jnp.float32), len(kids))[1].astype(jnp.int32)
+        nodes = nodes.at[:, kids].set(draft_to_target(top, d2t).astype(jnp.int32))
+        cache = prop.cache if cache is None else cache  # drafted rows are scratch: any call's cache
+    return nodes, cache
+
+
+def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree: TokenTree, sampling: SamplingParams,
+               pad_id: int) -> TreeState:
+    """One round: verify, accept, commit, hand-off (module docstring)."""
+    D = tree.max_depth
+    taps = tuple(draft.tap_ids(target.config.num_hidden_layers))
+    d = s.dec
+    nkey, ka = jax.random.split(d.key)
+    L = d.cache.lengths
+    nodes = s.nodes.at[:, 0].set(d.last)
+    out = target(nodes, cache=d.cache, tree_mask=tree.mask, positions=L[:, None] + jnp.asarray(tree.depth)[None],
+                 tap_ids=taps)
+    res = accept_tree(ka, out.logits, nodes, tree.children, D, None, sampling)
+    live = ~d.done
+    n_commit = jnp.where(live, res.num_accepted + 1, 0).astype(jnp.int32)
+    cache = compact_cache(out.cache, L, res.path, res.num_accepted).rollback(L + n_commit)
+    d = emit(d._replace(step=d.step + 1, cache=cache, key=nkey), res.tokens, res.num_accepted + 1, eos_ids, pad_id)
+    ar = jnp.arange(D + 1, dtype=jnp.int32)
+    hist = s.hist + jnp.where(live[:, None], (ar[None] == res.num_accepted[:, None]).astype(jnp.int32), 0)
+    path = jnp.maximum(res.path, 0)  # [B, D+1] (padding: the root; past n_commit, not read)
+    rows = jax.tree_util.tree_map(lambda a: jnp.take_along_axis(a, path[..., None], axis=1),
+                                  draft.aux_from_taps(out.aux_hidden_states))
+    nxt, dcache = propose_tree(draft, s.dcache, rows, res.tokens, L[:, None] + ar[None], n_commit, tree)
+    return TreeState(d, dcache, nxt, hist)
+
+
+def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos_ids, *, tree: TokenTree,
+              sampling: SamplingParams, max_new_tokens: int, max_len: int, draft_len: int, pad_id: int, cache_dtype,
+              draft_dtype) -> TreeState:
+    """The traced program: prefill, first token, the draft ingests the prompt rows and drafts the
+    first tree, then ``lax.while_loop`` over :func:`tree_round`."""
+    B, P = prompt_ids.shape
+    taps = tuple(draft.tap_ids(target.config.num_hidden_layers))
+    dec, aux = start(target, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
+                     max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps)
+    nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.full((B, 1), pad_id, prompt_ids.dtype)], axis=1)
+    nxt = nxt.at[jnp.arange(B), prompt_lens - 1].set(dec.last.astype(prompt_ids.dtype))
+    pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    dcache = draft.init_cache(B, kt.cache_slots(draft_len), draft_dtype)
+    nodes, dcache = propose_tree(draft, dcache, draft.aux_from_taps(aux), nxt, pos, prompt_lens, tree)
+    st = TreeState(dec, dcache, nodes, jnp.zeros((B, tree.max_depth + 1), jnp.int32))
+
+    def cond(s: TreeState):
+        return (s.dec.step < max_new_tokens - 1) & ~jnp.all(s.dec.done)
+
+    def body(s: TreeState):
+        return tree_round(target, draft, s, eos_ids, tree=tree, sampling=sampling, pad_id=pad_id)
+
+    return jax.lax.while_loop(cond, body, st)
+
+
+_STATIC = ("graphdef", "tree", "sampling", "max_new_tokens", "max_len", "draft_len", "pad_id", "cache_dtype",
+           "draft_dtype", "trace", "platform")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _tree_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, *, tree, sampling, max_new_tokens,
+              max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace=False, platform=None):  # noqa: ARG001
+    pair = nnx.merge(graphdef, state)
+    st = tree_core(pair.target, pair.draft, prompt_ids, prompt_lens, limits, key, eos_ids, tree=tree,
+                   sampling=sampling, max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len,
+                   pad_id=pad_id, cache_dtype=cache_dtype, draft_dtype=draft_dtype)
+    out = {"tokens": st.dec.tokens, "num_tokens": st.dec.num_tokens, "eos_hit": st.dec.eos_hit, "hist": st.hist,
+           "rounds": st.dec.step}
+    if trace:
+        out["target_cache"] = st.dec.cache
+    return out
+
+
+def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]], *, tree, max_new_tokens: int = 64,
+                      sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
+                      pad_id: int | None = None, context_length: int | None = None,
+                      prompt_bucket: int = 32, trace: bool = False) -> SpecResult:
+    """Tree speculative generation over token-id prompts; output as
+    :func:`specjax.decode.speculative.speculative_generate_ids` (``stats`` per tree depth: the
+    histogram of accepted drafted nodes per round). ``tree``: a :class:`TokenTree` or vLLM's
+    ``speculative_token_tree`` path list (or its string). ``trace``: also return the final target
+    KV cache (``res.trace["target_cache"]``, tests)."""
+    tree = parse_tree(tree)
+    sd = as_spec_draft(draft)
+    check_tree_draft(sd.module)
+    b = prepare(target.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
+                context_length=context_length, prompt_bucket=prompt_bucket)
+    P, N = b.padded_len, tree.num_nodes
+    max_len = P + max_new_tokens + N + 1  # a verify writes N+1 rows past the committed ones
+    draft_len = P + max_new_tokens + 2 * (tree.max_depth + 1)
+    graphdef, state = split_pair(target, sd.module)
+    state = panels.decode_state(_Pair(target, sd.module), state)
+    out = _tree_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
+                    jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), tree=tree, sampling=sampling,
+                    max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len), pad_id=b.pad,
+                    cache_dtype=cache_dtype_of(target), draft_dtype=_draft_dtype(sd.module), trace=bool(trace),
+                    platform=placement.platform_of(state))
+    out = jax.device_get(out)
+    n = len(prompts)
+    toks, num = out["tokens"], out["num_tokens"]
+    res = SpecResult(tokens=[toks[i, : num[i]].tolist() for i in range(n)],
+                     stop_reasons=["eos" if e else "length" for e in out["eos_hit"][:n]],
+                     prompt_lengths=b.lens.tolist(), stats=SpecStats(tree.max_depth, np.asarray(out["hist"])[:n], False),
+                     rounds=int(out["rounds"]))
+    if trace:
+        res.trace = {"target_cache": out["target_cache"]}
+    return res
