@@ -13,7 +13,7 @@ as a ConfigError naming the key. The sets are transformers 5.x's own names:
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 ACTIVATIONS = frozenset({
     "gelu", "gelu_10", "gelu_fast", "gelu_new", "gelu_python", "gelu_pytorch_tanh", "gelu_accurate",
@@ -52,6 +52,23 @@ def one_of(v: Any, names: frozenset) -> bool:
 
 def _positive_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def rope_parameters(cfg: Mapping[str, Any], *, theta_type: Callable[[Any], Any] | None = None) -> dict:
+    """The one rope normaliser: transformers-5 ``rope_parameters`` from an HF config dict in either
+    form. A non-empty ``rope_parameters`` object is returned as is (a copy; a nested per-layer-type
+    one too); otherwise ``rope_theta`` (default 10000, cast by ``theta_type`` when given) with the
+    legacy ``rope_scaling`` merged in (its ``type`` read as ``rope_type``, default "default")."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, Mapping) and rp:
+        return dict(rp)
+    theta = cfg.get("rope_theta", 10000.0)
+    out = {"rope_theta": theta if theta_type is None else theta_type(theta), "rope_type": "default"}
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, Mapping):
+        out.update({k: v for k, v in scaling.items() if k not in ("rope_type", "type")})
+        out["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    return out
 
 
 def rope_problems(layer: Mapping[str, Any]) -> list[tuple[str, str]]:

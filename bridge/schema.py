@@ -84,19 +84,6 @@ class LayerConfig(_Strict):
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
-    @property
-    def rope(self) -> dict:
-        """Rope parameters in transformers-5 form, whichever form the config used."""
-        extra = self.model_extra or {}
-        if isinstance(extra.get("rope_parameters"), dict):
-            return dict(extra["rope_parameters"])
-        rp = {"rope_theta": float(extra.get("rope_theta", 10000.0)), "rope_type": "default"}
-        scaling = extra.get("rope_scaling")
-        if isinstance(scaling, dict):
-            rp.update(scaling)
-            rp["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
-        return rp
-
     @model_validator(mode="after")
     def _layer_types_fit(self):
         if self.layer_types is not None:

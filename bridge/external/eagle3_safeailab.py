@@ -26,6 +26,7 @@ from bridge.external.common import (
 from bridge.contract import expected_tensors
 from bridge.external.errors import ExternalSourceError
 from bridge.external.hf_config import layer_config_dict
+from bridge.hf_values import rope_parameters
 from bridge.external.source import Source, Verifier, find_vocab_size
 from bridge.schema import parse_config
 
@@ -50,18 +51,6 @@ def detect(config: dict | None, names: list[str]) -> str | None:
 
 def _source_name(name: str) -> str:
     return PREFIX + name[len("layers.0."):] if name.startswith("layers.0.") else name
-
-
-def _rope_parameters(ec: dict) -> dict:
-    """speculators' build_llama_config_rope_kwargs on transformers 5 (no rope_theta argument)."""
-    rp = {"rope_theta": ec.get("rope_theta", 10000.0)}
-    scaling = ec.get("rope_scaling")
-    if scaling is not None:
-        rp["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
-        rp.update({k: v for k, v in scaling.items() if k not in ("rope_type", "type")})
-    else:
-        rp["rope_type"] = "default"
-    return rp
 
 
 def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
@@ -99,7 +88,7 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
                                     verifier.get("max_position_embeddings", 4096)),
         initializer_range=ec.get("initializer_range", 0.02), rms_norm_eps=ec.get("rms_norm_eps", 1e-6),
         use_cache=True, attention_bias=ec.get("attention_bias", False), mlp_bias=ec.get("mlp_bias", False),
-        tie_word_embeddings=False, head_dim=ec.get("head_dim"), rope_parameters=_rope_parameters(ec),
+        tie_word_embeddings=False, head_dim=ec.get("head_dim"), rope_parameters=rope_parameters(ec),
     )
     if torch_dtype is not None:
         kw["dtype"] = torch_dtype

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from bridge.hf_values import rope_parameters
 from specjax.models.errors import ModelError
 
 SUPPORTED = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -66,8 +67,7 @@ class RopeConfig:
         """Parse rope settings from an HF config dict (transformers 5 ``rope_parameters`` or the
         legacy ``rope_theta`` + ``rope_scaling``). Nested per-layer-type dicts take the
         ``full_attention`` entry (else ``sliding_attention``)."""
-        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        params = dict(params)
+        params = rope_parameters(cfg)
         if params and all(isinstance(v, Mapping) for v in params.values()):
             key = "full_attention" if "full_attention" in params else "sliding_attention"
             if key not in params:

@@ -28,6 +28,7 @@ from flax import nnx
 
 import bridge
 from bridge.config_doc import speculators_config_doc
+from bridge.hf_values import rope_parameters
 from bridge.layout import path_to_flat, to_torch
 from specjax.models.drafts.load import build_draft, module_from_flat
 from specjax.models.drafts.registry import draft_class
@@ -49,20 +50,14 @@ def verifier_name(target, override: str | None = None) -> str:
 
 
 def _rope_parameters(hf: dict) -> dict:
-    rp = hf.get("rope_parameters")
-    if isinstance(rp, dict):
-        if "rope_theta" not in rp:
-            sub = rp.get("sliding_attention") or rp.get("full_attention") or {}
-            rp = dict(sub) if isinstance(sub, dict) else {}
-            rp.setdefault("rope_type", "default")
-            rp.setdefault("rope_theta", 10000.0)
-        rp = dict(rp)
-    else:
-        rp = {"rope_theta": float(hf.get("rope_theta", 10000.0)), "rope_type": "default"}
-        sc = hf.get("rope_scaling")
-        if isinstance(sc, dict):
-            rp.update(sc)
-            rp["rope_type"] = sc.get("rope_type", sc.get("type", "default"))
+    """The target's rope as one flat transformers-5 object for the draft layer (a nested
+    per-layer-type one: its sliding entry, else its full one)."""
+    rp = rope_parameters(hf, theta_type=float)
+    if "rope_theta" not in rp:
+        sub = rp.get("sliding_attention") or rp.get("full_attention") or {}
+        rp = dict(sub) if isinstance(sub, dict) else {}
+        rp.setdefault("rope_type", "default")
+        rp.setdefault("rope_theta", 10000.0)
     rp.pop("type", None)
     rp.pop("mrope_interleaved", None)
     if "mrope_section" not in rp:
