@@ -12,8 +12,10 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
 from specjax.decode.generate import generate_ids
+from specjax.decode.sampling import SamplingParams, probs
 from specjax.decode.selfdraft import SelfDraft
 from specjax.decode.speculative import load_spec_draft
 from specjax.decode.tree import TokenTree
@@ -93,3 +95,62 @@ def test_tree_needs_a_chain_draft(pair):
     target, _ = pair
     with pytest.raises(TreeDraftError, match="cannot draft a token tree"):
         tree_generate_ids(target, SelfDraft(target, 1), PROMPTS[:1], tree=TREES["vllm"], max_new_tokens=4)
+
+
+N_SAMPLES = 20_000
+
+
+def _exact_joint3(target, prompt, sampling):
+    """P(t1, t2, t3 | prompt) [V, V, V] under ``sampling`` from the target's logits (float64)."""
+    V = target.config.vocab_size
+    ab = np.asarray(list(itertools.product(range(V), repeat=2)), np.int32)
+    seqs = jnp.asarray(np.concatenate([np.broadcast_to(prompt, (len(ab), len(prompt))), ab], 1))
+    lg = target(seqs).logits  # [V*V, P+2, V]
+    P = len(prompt)
+    p = lambda x: np.asarray(probs(x, sampling), np.float64)  # noqa: E731
+    p1, p2, p3 = p(lg[0, P - 1]), p(lg[::V, P]), p(lg[:, P + 1]).reshape(V, V, V)
+    j = p1[:, None, None] * p2[:, :, None] * p3
+    return j / j.sum()
+
+
+@pytest.fixture(scope="module")
+def peaked_pair(tmp_path_factory):
+    """A 16-token Llama with peaked next-token distributions (LM head x 10) and a random EAGLE-3
+    draft over the full 16-token vocabulary."""
+    from tests.refs import speculators_ckpts as ck
+
+    root = tmp_path_factory.mktemp("tree-peaked")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ck, "VOCAB", 16)  # the helper's vocabulary: a full draft vocabulary of 16
+        ver = ck.make_verifier(root / "verifier", "llama", vocab_size=16)
+        path = ck.build("eagle3", root / "eagle3", ver, num_layers=1)
+    target = load_hf_dir(ver)
+    target.lm_head.kernel.set_value(target.lm_head.kernel[...] * 10.0)
+    return target, load_spec_draft(str(path), target)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(temperature=1.0,
+                                                                                                  top_p=0.9)],
+                         ids=["t0.6_p0.9", "t1_p0.9"])
+def test_sampled_tree_loop_is_lossless(peaked_pair, sampling):
+    """The first three tokens of 20 000 tree-loop samples (vLLM's tree: two siblings at depth 1,
+    point-mass proposals) follow the target's exact joint distribution (chi-square)."""
+    target, draft = peaked_pair
+    prompt = [5, 6, 7]
+    res = tree_generate_ids(target, draft, [prompt] * N_SAMPLES, tree=TREES["vllm"], max_new_tokens=3,
+                            eos_token_ids=[], sampling=sampling, seed=4, prompt_bucket=4)
+    toks = np.asarray(res.tokens)
+    assert toks.shape == (N_SAMPLES, 3)
+    total = res.stats.total
+    assert total[0] > 500 and total[1:].sum() > 500, total  # rejections and accepts both happen
+    joint = _exact_joint3(target, prompt, sampling)
+    V = joint.shape[0]
+    obs = np.bincount((toks[:, 0] * V + toks[:, 1]) * V + toks[:, 2], minlength=V ** 3).astype(np.float64)
+    exp = joint.reshape(-1) * N_SAMPLES
+    assert obs[exp == 0].sum() == 0, "tokens outside top-p were emitted"
+    big = exp >= 5
+    assert big.sum() >= 20, big.sum()
+    o, e = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
+    pval = float(stats.chisquare(o, e * o.sum() / e.sum()).pvalue)
+    print(f"tree loop chi-square {sampling}: p = {pval:.4f} over {big.sum()} cells, accepted-nodes {total.tolist()}")
+    assert pval > 0.01, pval
