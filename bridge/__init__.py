@@ -15,8 +15,8 @@ from bridge.schema import (  # noqa: F401
     parse_config, read_config,
 )
 from bridge.safetensors_io import open_tensors  # noqa: F401
-from bridge.checkpoint import Checkpoint, load_checkpoint, save_checkpoint  # noqa: F401
+from bridge.checkpoint import Checkpoint, Opened, load_checkpoint, open_checkpoint, save_checkpoint  # noqa: F401
 from bridge.orbax_io import restore_orbax, save_orbax  # noqa: F401
-from bridge.auditor import Finding, Report, audit  # noqa: F401
+from bridge.auditor import Finding, Report, VerifierFacts, audit  # noqa: F401
 from bridge.summary import summarize  # noqa: F401
 from bridge.external import convert_external  # noqa: F401,E402

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from bridge.checkpoint import Opened
 from bridge.contract import FLOAT, FLOAT_TAGS, expected_tensors, open_prefixes
 from bridge.errors import BridgeError, CheckpointNotFoundError, ConfigError
 from bridge.jsonio import read_json
@@ -64,21 +66,27 @@ class Report:
                 "warnings": [asdict(f) for f in self.warnings]}
 
 
-def audit(path: str | Path, verifier: str | Path | None = None, *, deep: bool = False) -> Report:
-    """Audit a checkpoint directory; never raises on bad input (it is reported)."""
+def audit(path: str | Path, verifier: "str | Path | VerifierFacts | None" = None, *, deep: bool = False,
+          opened: Opened | None = None) -> Report:
+    """Audit a checkpoint directory; never raises on bad input (it is reported). ``verifier``: its
+    directory, or :class:`VerifierFacts` of a loaded one. ``opened``: the directory's
+    :func:`~bridge.checkpoint.open_checkpoint`, when the caller has read it already."""
     rep = Report(str(path))
-    try:
-        cfg = read_config(path)
-        store = open_tensors(path)
-    except BridgeError as e:
-        rep.unreadable = str(e)
-        return rep
+    if opened is not None:
+        cfg, store = opened.config, opened.store
+    else:
+        try:
+            cfg = read_config(path)
+            store = open_tensors(path)
+        except BridgeError as e:
+            rep.unreadable = str(e)
+            return rep
     rep.algorithm = cfg.speculators_model_type
     infos = {n: i for n, i in store.infos().items()}
     check_config(cfg, {n: (tuple(i.shape), i.dtype) for n, i in infos.items()}, rep)
     check_vocab_values(cfg, store, rep, deep=deep)
     if verifier is not None:
-        check_verifier(cfg, Path(verifier), rep)
+        check_verifier(cfg, verifier if isinstance(verifier, VerifierFacts) else Path(verifier), rep)
     if deep:
         for n in store.names:
             a = store.array(n)
@@ -250,6 +258,25 @@ def _aux_key(cfg) -> str:
     return "aux_hidden_state_layer_ids" if isinstance(cfg, DFlashConfig) else "eagle_aux_hidden_state_layer_ids"
 
 
+@dataclass(frozen=True)
+class VerifierFacts:
+    """What the draft-verifier compatibility check reads of a verifier: from its ``config.json``
+    (:meth:`from_hf`) or from a loaded target's config (the decode loader's ``check_pair``)."""
+
+    hidden_size: Any = None
+    vocab_size: Any = None
+    num_hidden_layers: Any = None
+    architectures: tuple = ()
+    model_type: str | None = None
+    where: str = "the verifier"
+
+    @classmethod
+    def from_hf(cls, raw: dict, where: str) -> "VerifierFacts":
+        archs = raw.get("architectures") or ()
+        return cls(raw.get("hidden_size"), raw.get("vocab_size"), raw.get("num_hidden_layers"),
+                   tuple(archs) if isinstance(archs, (list, tuple)) else (), raw.get("model_type"), where)
+
+
 def _verifier_text_config(vdir: Path, rep: Report) -> dict | None:
     p = vdir / "config.json"
     try:
@@ -268,27 +295,40 @@ def _verifier_text_config(vdir: Path, rep: Report) -> dict | None:
     return raw
 
 
-def check_verifier(cfg: DraftConfig, vdir: Path, rep: Report) -> None:
-    v = _verifier_text_config(vdir, rep)
-    if v is None:
-        return
+def check_verifier(cfg: DraftConfig, verifier: "Path | VerifierFacts", rep: Report) -> None:
+    """The one draft-verifier compatibility check (audit, convert, and the decode loader's
+    ``check_pair``): widths, aux layer ids against the verifier's depth, the bound architecture,
+    and the verifier family of a draft whose layer is the verifier's own (MTP). Each message names
+    both sides."""
+    if isinstance(verifier, VerifierFacts):
+        v = verifier
+    else:
+        raw = _verifier_text_config(verifier, rep)
+        if raw is None:
+            return
+        v = VerifierFacts.from_hf(raw, f"{verifier}/config.json")
     lc = cfg.layer
-    for key, mine in (("hidden_size", lc.hidden_size), ("vocab_size", lc.vocab_size)):
-        if key in v and v[key] != mine:
-            rep.error(f"verifier.{key}", f"draft {key} {mine} != verifier {key} {v[key]} ({vdir}/config.json)",
-                      f"transformer_layer_config.{key}")
-    n = v.get("num_hidden_layers")
+    for key, label, mine in (("hidden_size", "hidden size", lc.hidden_size), ("vocab_size", "vocabulary", lc.vocab_size)):
+        theirs = getattr(v, key)
+        if theirs is not None and theirs != mine:
+            rep.error(f"verifier.{key}", f"{label}: draft {mine} (transformer_layer_config.{key}) vs verifier {theirs} "
+                                         f"({key}, {v.where})", f"transformer_layer_config.{key}")
+    n = v.num_hidden_layers
     ids = cfg.aux_layer_ids
     if isinstance(n, int) and ids:
         bad = [i for i in ids if not 0 <= i <= n]
         if bad:
-            rep.error("aux_ids.range", f"aux layer ids {bad} are outside [0, {n}] for a {n}-layer verifier",
-                      _aux_key(cfg))
+            rep.error("aux_ids.range", f"aux hidden-state layer ids: draft needs {list(ids)} ({bad} out of range) vs "
+                                       f"verifier num_hidden_layers {n} (valid ids 0..{n})", _aux_key(cfg))
         if isinstance(cfg, DFlashConfig) and n in ids:
             rep.warn("aux_ids.last", f"aux id {n} (the final layer) is among the DFlash aux ids; it arrives implicitly "
                      "as verifier_last_hidden_states", _aux_key(cfg))
-    varch = v.get("architectures") or []
-    bound = cfg.speculators_config.verifier.architectures
-    if bound and varch and list(bound) != list(varch):
-        rep.error("verifier.architecture", f"draft is bound to {bound} but the verifier is {varch}",
+    bound = list(cfg.speculators_config.verifier.architectures or [])
+    if bound and v.architectures and not set(bound) & set(v.architectures):
+        rep.error("verifier.architecture", f"verifier architecture: draft was trained for {bound} "
+                  f"(speculators_config.verifier.architectures) vs verifier {list(v.architectures)}",
                   "speculators_config.verifier.architectures")
+    mt = cfg.transformer_layer_config.get("model_type") if cfg.binds_verifier_family else None
+    if mt and v.model_type and mt != v.model_type:
+        rep.error("verifier.family", f"verifier family: {cfg.speculators_model_type} layer of model_type {mt!r} vs "
+                  f"verifier {v.model_type!r}", "transformer_layer_config.model_type")

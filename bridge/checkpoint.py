@@ -12,7 +12,7 @@ import json
 import mmap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -92,12 +92,28 @@ def check_tensors(cfg: DraftConfig, infos: Mapping[str, Any], *, where: str) -> 
             raise TensorMismatchError(f"tensor {n!r} has dtype {tag}; expected {spec.dtype}", path=where, key=n)
 
 
-def load_checkpoint(path: str | Path, *, check: bool = True, check_vocab: bool = True) -> Checkpoint:
-    """Open a speculators checkpoint directory (single or sharded safetensors). ``check_vocab``:
-    also check the d2t/t2d values (a caller with its own mapping check turns it off)."""
+class Opened(NamedTuple):
+    """A checkpoint directory's typed config and tensor headers, each parsed once: what
+    :func:`bridge.audit` and :func:`load_checkpoint` share within one load."""
+
+    path: Path
+    config: DraftConfig
+    store: TensorStore
+
+
+def open_checkpoint(path: str | Path) -> Opened:
+    """Read ``config.json`` and every safetensors header of a checkpoint directory (no tensor data)."""
     path = Path(path)
-    cfg = read_config(path)
-    store = open_tensors(path)
+    return Opened(path, read_config(path), open_tensors(path))
+
+
+def load_checkpoint(path: str | Path, *, check: bool = True, check_vocab: bool = True,
+                    opened: Opened | None = None) -> Checkpoint:
+    """Open a speculators checkpoint directory (single or sharded safetensors). ``check_vocab``:
+    also check the d2t/t2d values (a caller with its own mapping check turns it off).
+    ``opened``: the directory's :func:`open_checkpoint`, when the caller has read it already."""
+    path = Path(path)
+    cfg, store = (opened.config, opened.store) if opened is not None else (read_config(path), open_tensors(path))
     where = store.index_path or store.files[0].path if store.files else str(path)
     if check:
         for _rule, key, msg in aux_id_problems(cfg):

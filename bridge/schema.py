@@ -111,6 +111,7 @@ class DraftConfig(_Strict):
 
     REGISTRY: ClassVar[dict[str, type["DraftConfig"]]] = {}
     algorithm: ClassVar[str] = ""
+    binds_verifier_family: ClassVar[bool] = False  # the draft's layer is the verifier's own (MTP)
 
     speculators_model_type: str
     speculators_version: str | None = None
@@ -235,6 +236,7 @@ class DSparkConfig(DFlashConfig):
 
 class MTPConfig(DraftConfig):
     algorithm: ClassVar[str] = "mtp"
+    binds_verifier_family: ClassVar[bool] = True  # its layer is the verifier's own (model_type must match)
     speculators_model_type: Literal["mtp"] = "mtp"
     num_nextn_predict_layers: int = 1
 

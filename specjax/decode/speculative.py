@@ -51,7 +51,7 @@ from specjax.decode.sampling import SamplingParams
 from specjax.kernels import tpu as kt
 from specjax.decode.spec_stats import SpecStats
 from specjax.models.drafts.common import d2t_of, greedy
-from specjax.models.drafts.registry import draft_class
+from bridge.auditor import Report, VerifierFacts, check_verifier
 from specjax.models import panels
 from specjax.models.errors import ModelError
 from specjax.models.target import CausalLM
@@ -122,31 +122,18 @@ def as_spec_draft(draft) -> SpecDraft:
     return draft if isinstance(draft, SpecDraft) else SpecDraft(draft)
 
 
-def _arch_names(names) -> list[str]:
-    return [str(a) for a in (names or [])]
-
-
 def check_pair(draft_config, target_config, *, draft_src: str = "draft", target_src: str = "target") -> None:
-    """Refuse a draft checkpoint built for another target, from the configs alone. Every message
-    names both sides. Raises :class:`DraftTargetMismatchError`."""
+    """Refuse a draft checkpoint built for another target, from the configs alone: the bridge's
+    one compatibility check (:func:`bridge.auditor.check_verifier`) against the target's config.
+    Every message names both sides. Raises :class:`DraftTargetMismatchError`."""
     tc = target_config
-    lc = draft_config.layer
-    algo = draft_config.speculators_model_type
-    probs = []
-    if lc.hidden_size != tc.hidden_size:
-        probs.append(f"hidden size: draft {lc.hidden_size} (transformer_layer_config.hidden_size) vs target "
-                     f"{tc.hidden_size} (hidden_size)")
-    if lc.vocab_size != tc.vocab_size:
-        probs.append(f"vocabulary: draft {lc.vocab_size} (transformer_layer_config.vocab_size) vs target "
-                     f"{tc.vocab_size} (vocab_size)")
-    probs += draft_class(algo).pair_problems(draft_config, tc)
-    archs = _arch_names(draft_config.speculators_config.verifier.architectures)
-    if archs and tc.architecture not in archs:
-        probs.append(f"verifier architecture: draft was trained for {archs} "
-                     f"(speculators_config.verifier.architectures) vs target {tc.architecture}")
-    if probs:
-        raise DraftTargetMismatchError(f"draft {draft_src} does not fit target {target_src}: " + "; ".join(probs),
-                                       key="transformer_layer_config")
+    facts = VerifierFacts(tc.hidden_size, tc.vocab_size, tc.num_hidden_layers, (tc.architecture,), tc.family,
+                          where=str(target_src))
+    rep = Report(str(draft_src))
+    check_verifier(draft_config, facts, rep)
+    if rep.errors:
+        raise DraftTargetMismatchError(f"draft {draft_src} does not fit target {target_src}: "
+                                       + "; ".join(f.message for f in rep.errors), key=rep.errors[0].key)
 
 
 def parse_self_draft(spec: str | None) -> int | None | bool:
@@ -188,17 +175,18 @@ def load_spec_draft(draft, target, *, dtype=None, speculative_tokens: int = 3, m
     from specjax.models.drafts import load_draft
 
     path = os.fspath(draft)
-    cfg = bridge.read_config(path)
-    check_pair(cfg, model.config, draft_src=path, target_src=getattr(target, "source", "<module>"))
+    opened = bridge.open_checkpoint(path)  # config.json and headers, read once for the whole load
+    check_pair(opened.config, model.config, draft_src=path, target_src=getattr(target, "source", "<module>"))
     if dtype is None:  # run the draft in the target's dtype (a bf16 checkpoint under an f32 target: f32)
         dtype = jnp.dtype(model.model.embed_tokens.embedding[...].dtype).name
+    kw = dict(dtype=dtype, verifier_heads=False, opened=opened, verifier_checked=True)
     if mesh is not None and mesh.size > 1:
         from specjax.sharding import load_draft as load_sharded
 
-        module = load_sharded(path, target, mesh, dtype=dtype, verifier_heads=False)
+        module = load_sharded(path, target, mesh, **kw)
     else:
-        module = load_draft(path, target, dtype=dtype, verifier_heads=False)
-    return SpecDraft(module, cfg, path)
+        module = load_draft(path, target, **kw)
+    return SpecDraft(module, opened.config, path)
 
 
 def resolve_k(draft: SpecDraft, k: int | None) -> int:

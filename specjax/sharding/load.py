@@ -198,7 +198,7 @@ def _gathering_source(module):
 
 def load_draft(path: str | os.PathLike, target: Any = None, mesh=None, *,
                rules: "PartitionRules | Iterable" = DRAFT_RULES, dtype=None, audit: bool = True,
-               verifier_heads: bool = True):
+               verifier_heads: bool = True, opened=None, verifier_checked: bool = False):
     """``specjax.load_draft`` with every parameter placed by ``rules`` on ``mesh``: the same audit,
     vocab-map checks and verifier-owned weights (from ``target``: an HF directory, or a loaded
     target), the whole abstract model checked against the rules before a tensor is read, then
@@ -209,7 +209,8 @@ def load_draft(path: str | os.PathLike, target: Any = None, mesh=None, *,
     mesh = _mesh(mesh)
     rules = as_rules(rules)
     return _load(path, _verifier_for(target), dtype=dtype, audit=audit, verifier_heads=verifier_heads,
-                 place=slice_loader(mesh, rules, dtype), check=lambda model: partition_specs(model, rules, mesh))
+                 place=slice_loader(mesh, rules, dtype), check=lambda model: partition_specs(model, rules, mesh),
+                 opened=opened, verifier_checked=verifier_checked)
 
 
 def restore_orbax(path: str | os.PathLike, mesh=None, *, rules: "PartitionRules | Iterable" = DRAFT_RULES):

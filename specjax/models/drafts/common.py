@@ -254,7 +254,9 @@ class TargetTaps:
       (:class:`~specjax.models.drafts.verifier_weights.VerifierFill`);
     - ``embed_trainable``: the draft may train its embedding (with ``embed_requires_grad``);
     - ``vocab_reduction``: the draft may predict over a pruned vocabulary (t2d / d2t);
-    - :meth:`pair_problems`: why a checkpoint config does not fit a target config."""
+    - :meth:`max_proposal`: the most tokens one proposal holds (block drafts).
+
+    (Whether a checkpoint fits a verifier is a format fact: :func:`bridge.auditor.check_verifier`.)"""
 
     algorithm: str = ""
     aux_layer_ids: tuple | None = None
@@ -270,18 +272,6 @@ class TargetTaps:
     def max_proposal(self) -> int | None:
         """Tokens one proposal can hold: None for a chain draft (any k); a block draft's block."""
         return None
-
-    @classmethod
-    def pair_problems(cls, draft_config, target_config) -> list[str]:
-        """What in a checkpoint's config (bridge) does not fit a target's config, beyond hidden
-        size, vocabulary and architecture (checked for every draft): here, the aux layer ids."""
-        n = target_config.num_hidden_layers
-        aux = draft_config.aux_layer_ids
-        bad = [i for i in aux or () if not 0 <= int(i) <= n]
-        if bad:
-            return [f"aux hidden-state layer ids: draft needs {list(aux)} ({bad} out of range) vs target "
-                    f"num_hidden_layers {n} (valid ids 0..{n})"]
-        return []
 
     def aux_from_taps(self, taps):
         """Target ``aux_hidden_states`` (one [B, T, H] per tap id, in tap_ids order) -> [B, T, A*H]."""

@@ -108,7 +108,8 @@ def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifie
 
 def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit: bool = True,
                verifier_heads: bool = True, place: Place | None = None,
-               check: Callable[[nnx.Module], None] | None = None, download: bool | None = None):
+               check: Callable[[nnx.Module], None] | None = None, download: bool | None = None,
+               opened=None, verifier_checked: bool = False):
     """A ready draft module from checkpoint ``path`` (a directory, or a Hub repo id: from the local
     HF cache, downloaded only with ``download`` / ``SPECJAX_ALLOW_DOWNLOAD=1``, :mod:`specjax.hub`)
     and its verifier ``target`` (an HF
@@ -119,22 +120,30 @@ def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit
     (inference only) builds no ``verifier_lm_head`` / ``verifier_norm``: less memory, and a
     checkpoint that carries embed_tokens and lm_head then loads without any verifier.
     ``place`` / ``check``: placement hooks (:func:`module_from_flat`); ``specjax.sharding.load_draft``
-    passes a mesh's slice loader and the partition-rule check."""
+    passes a mesh's slice loader and the partition-rule check. ``opened``: the checkpoint's
+    ``bridge.open_checkpoint`` when the caller read it already (config.json and the headers are
+    parsed once per load); ``verifier_checked``: the caller ran the compatibility check against
+    ``target`` (``check_pair``), so the audit does not repeat it."""
     import bridge
     from specjax import hub
 
     path = hub.resolve(path, kind="draft", download=download)
+    if opened is None:
+        try:
+            opened = bridge.open_checkpoint(path)
+        except bridge.BridgeError as e:
+            if not audit:
+                raise
+            raise DraftAuditError(f"audit could not read the checkpoint: {e}", path=str(path)) from e
     if audit:
-        vdir = _verifier_dir(target)
-        rep = bridge.audit(path, verifier=vdir)
-        if getattr(rep, "unreadable", None):
-            raise DraftAuditError(f"audit could not read the checkpoint: {rep.unreadable}", path=str(path))
+        vdir = None if verifier_checked else _verifier_dir(target)
+        rep = bridge.audit(path, verifier=vdir, opened=opened)
         errors = [f for f in rep.errors if f.rule != "vocab.values"]  # check_mapping names the draft id below
         if errors:
             msgs = "; ".join(f"[{f.rule}] {f.message}" for f in errors[:6])
             raise DraftAuditError(f"audit found {len(errors)} error(s): {msgs}", path=str(path),
                                   key=rep.errors[0].key)
-    ckpt = bridge.load_checkpoint(path, check_vocab=False)  # check_mapping below, as VocabMappingError
+    ckpt = bridge.load_checkpoint(path, check_vocab=False, opened=opened)  # check_mapping below: VocabMappingError
     cfg = ckpt.config
     lc = cfg.layer
     flat = ckpt.flat()

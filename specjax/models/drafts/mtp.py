@@ -101,13 +101,6 @@ class MTPDraft(ChainProposer, nnx.Module):
     def tap_ids(self, num_target_layers: int) -> tuple[int, ...]:
         return (int(num_target_layers),)  # the final pre-norm state only
 
-    @classmethod
-    def pair_problems(cls, draft_config, target_config) -> list[str]:
-        mt = draft_config.transformer_layer_config.get("model_type")
-        if mt and mt != target_config.family:
-            return [f"verifier family: MTP head of model_type {mt!r} vs target {target_config.family!r}"]
-        return []
-
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32):
         """``config``: bridge ``MTPConfig`` (``transformer_layer_config`` is the verifier's own)."""
         rngs = rngs or nnx.Rngs(0)
