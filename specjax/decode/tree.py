@@ -243,21 +243,22 @@ def top_children(logp, score, topk: int):
 
 def dynamic_tree(root_logp, expand: Callable, *, topk: int, depth: int, num_nodes: int) -> DynamicTree:
     """EAGLE-2's dynamic tree. root_logp f32 [B, V]: the draft's log-probs after the root.
-    ``expand(level, tokens int32 [B, topk], parent int32 [B, topk]) -> logp f32 [B, topk, V]``: the
-    draft's log-probs after each frontier candidate (``parent``: the candidate index of the
-    frontier node). Candidates: topk at depth 1, topk*topk per further depth (``M`` in all)."""
+    ``expand(level, paths int32 [B, topk, level]) -> logp f32 [B, topk, V]``: the draft's log-probs
+    after each frontier candidate, given its root-to-node tokens (the last column is its own).
+    Candidates: topk at depth 1, topk*topk per further depth (``M`` in all)."""
     if topk < 1 or depth < 1:
         raise ValueError(f"dynamic tree needs topk >= 1 and depth >= 1, got topk={topk} depth={depth}")
     B = root_logp.shape[0]
     s, t = top_children(root_logp[:, None], jnp.zeros((B, 1), jnp.float32), topk)
     scores, tokens, parents = [s], [t], [jnp.full((B, topk), -1, jnp.int32)]
-    depths = [np.ones(topk, np.int32)]
+    depths, paths = [np.ones(topk, np.int32)], t[..., None]  # paths: [B, level candidates, level]
     base = 0  # candidate index of the current level's first entry
     for lvl in range(1, depth):
         _, f = jax.lax.top_k(scores[-1], topk)  # frontier within the level
         front = (base + f).astype(jnp.int32)
-        ftok, fscore = jnp.take_along_axis(tokens[-1], f, -1), jnp.take_along_axis(scores[-1], f, -1)
-        s, t = top_children(expand(lvl, ftok, front), fscore, topk)
+        fpaths, fscore = jnp.take_along_axis(paths, f[..., None], 1), jnp.take_along_axis(scores[-1], f, -1)
+        s, t = top_children(expand(lvl, fpaths), fscore, topk)
+        paths = jnp.concatenate([jnp.repeat(fpaths, topk, axis=1), t[..., None]], axis=-1)
         base += scores[-1].shape[1]
         scores.append(s), tokens.append(t), parents.append(jnp.repeat(front, topk, axis=1))
         depths.append(np.full(topk * topk, lvl + 1, np.int32))

@@ -1,4 +1,4 @@
-"""Speculative decoding over a static token tree: draft a tree, verify it in one target forward,
+"""Speculative decoding over a token tree (static or EAGLE-2 dynamic): draft a tree, verify it in one target forward,
 accept the longest path, commit it -- the whole loop one ``jax.jit`` with ``lax.while_loop``, as
 the chain loop of :mod:`specjax.decode.speculative`.
 
@@ -15,15 +15,20 @@ One round (``B`` sequences, tree of ``N`` drafted nodes and depth ``D``, :mod:`s
    ``path``) with the token after each, at positions ``L..L+n`` -- the chain hand-off, rows
    chosen by the path -- and drafts the next tree (:func:`propose_tree`).
 
-Drafting a static tree needs a chain draft's teacher-forced ``propose(..., forced=)`` (EAGLE-3,
-MTP): node i's children are the draft's top-c tokens after the root-to-i path, one forced chain
-per internal node (a tree-attention draft forward, one per depth, is the cheaper form; not yet).
-Single device; no sharded tree loop yet.
+Drafting needs a chain draft's teacher-forced ``propose(..., forced=)`` (EAGLE-3, MTP). A static
+tree (:class:`specjax.decode.tree.TokenTree`): node i's children are the draft's top-c tokens after
+the root-to-i path, one forced chain per internal node. A dynamic tree (:class:`DynamicTreeSpec`):
+the root's top-k, then per further depth the top-k frontier nodes (by cumulative draft log-prob)
+each expanded by one forced chain, the best ``num_nodes`` kept; each sequence has its own tree
+(masks, depths and children are [B, ...] arrays). A tree-attention draft forward (one per depth
+instead of one chain per expanded node) is the cheaper form; not yet. Single device; no sharded
+tree loop yet.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -36,7 +41,7 @@ from specjax.decode.generate import DecodeState, cache_dtype_of, emit, prepare, 
 from specjax.decode.sampling import SamplingParams
 from specjax.decode.speculative import GREEDY, SpecResult, _draft_dtype, _Pair, as_spec_draft, split_pair
 from specjax.decode.spec_stats import SpecStats
-from specjax.decode.tree import TokenTree, accept_tree, compact_cache, parse_tree
+from specjax.decode.tree import TokenTree, accept_tree, compact_cache, dynamic_tree, parse_tree
 from specjax.kernels import tpu as kt
 from specjax.models import panels
 from specjax.models.drafts.common import d2t_of
@@ -49,10 +54,43 @@ class TreeDraftError(ModelError, TypeError):
     """The draft cannot propose a token tree (no teacher-forced chain ``propose``)."""
 
 
+@dataclass(frozen=True)
+class DynamicTreeSpec:
+    """An EAGLE-2 dynamic tree (:func:`specjax.decode.tree.dynamic_tree`): ``topk`` children per
+    expanded node, ``depth`` levels, the best ``num_nodes`` candidates kept."""
+
+    topk: int
+    depth: int
+    num_nodes: int
+
+    def __post_init__(self):
+        cands = self.topk + (self.depth - 1) * self.topk * self.topk
+        if self.topk < 1 or self.depth < 1 or not 1 <= self.num_nodes <= cands:
+            raise ValueError(f"dynamic tree: need topk >= 1, depth >= 1 and 1 <= num_nodes <= {cands} "
+                             f"(the candidates), got topk={self.topk} depth={self.depth} num_nodes={self.num_nodes}")
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+
+def as_tree(tree) -> TokenTree | DynamicTreeSpec:
+    return tree if isinstance(tree, DynamicTreeSpec) else parse_tree(tree)
+
+
+class Drafted(NamedTuple):
+    """A drafted tree per sequence (node 0 = root; its token is set at verify)."""
+
+    tokens: jax.Array  # int32 [B, N+1]: target ids
+    depth: jax.Array  # int32 [B, N+1]
+    mask: jax.Array  # bool [B, N+1, N+1]: ancestor-or-self
+    children: jax.Array  # int32 [B, N+1, C]
+
+
 class TreeState(NamedTuple):
     dec: DecodeState
     dcache: Any  # the draft's cache pytree
-    nodes: jax.Array  # int32 [B, N+1]: the pending tree's tokens (column 0 unused until verify)
+    tree: Drafted  # the pending tree
     hist: jax.Array  # int32 [B, D+1]: rounds in which each sequence accepted j drafted nodes
 
 
@@ -62,10 +100,20 @@ def check_tree_draft(draft) -> None:
                              "tree: it needs a chain draft's propose(..., forced=) (EAGLE-3, MTP)", key="tree")
 
 
-def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree: TokenTree):
-    """Draft ``tree`` after the committed rows (the arguments of ``draft.speculate``). Node i's
-    children (rank order) are the draft's top-c tokens after the root-to-i path. Returns
-    (nodes int32 [B, N+1], target ids, column 0 zero; the draft cache with the committed rows)."""
+def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree) -> tuple[Drafted, Any]:
+    """Draft ``tree`` (static or dynamic) after the committed rows (the arguments of
+    ``draft.speculate``). Returns the :class:`Drafted` tree and the draft cache."""
+    if isinstance(tree, DynamicTreeSpec):
+        return _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, tree)
+    nodes, cache = _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree)
+    B = nodes.shape[0]
+    bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (B, *a.shape))  # noqa: E731
+    return Drafted(nodes, bc(tree.depth), bc(tree.mask), bc(tree.children)), cache
+
+
+def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: TokenTree):
+    """Node i's children (rank order) are the draft's top-c tokens after the root-to-i path.
+    Returns (nodes int32 [B, N+1] target ids, column 0 zero; the draft cache)."""
     B = next_tokens.shape[0]
     pos = positions + getattr(draft, "token_position_offset", 0)
     d2t = d2t_of(draft)
@@ -84,7 +132,29 @@ def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree: Tok
     return nodes, cache
 
 
-def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree: TokenTree, sampling: SamplingParams,
+def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec: DynamicTreeSpec):
+    """EAGLE-2: scores are the draft's cumulative log-probs (temperature 1, draft vocabulary); each
+    frontier node's log-probs come from a chain proposal teacher-forced along its path."""
+    pos = positions + getattr(draft, "token_position_offset", 0)
+    d2t = d2t_of(draft)
+    root = draft.propose(dcache, rows, next_tokens, pos, k=1, n_valid=n_valid)
+
+    def expand(level, paths):  # paths [B, topk, level] draft ids
+        out = []
+        for f in range(paths.shape[1]):
+            forced = draft_to_target(paths[:, f], d2t).astype(jnp.int32)
+            p = draft.propose(dcache, rows, next_tokens, pos, k=level + 1, n_valid=n_valid, forced=forced)
+            out.append(jax.nn.log_softmax(p.logits[:, level].astype(jnp.float32), axis=-1))
+        return jnp.stack(out, axis=1)
+
+    root_logp = jax.nn.log_softmax(root.logits[:, 0].astype(jnp.float32), axis=-1)
+    t = dynamic_tree(root_logp, expand, topk=spec.topk, depth=spec.depth, num_nodes=spec.num_nodes)
+    B = t.tokens.shape[0]
+    tokens = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), draft_to_target(t.tokens, d2t).astype(jnp.int32)], 1)
+    return Drafted(tokens, t.depth, t.mask, t.children), root.cache
+
+
+def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree, sampling: SamplingParams,
                pad_id: int) -> TreeState:
     """One round: verify, accept, commit, hand-off (module docstring)."""
     D = tree.max_depth
@@ -92,10 +162,10 @@ def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree: TokenTre
     d = s.dec
     nkey, ka = jax.random.split(d.key)
     L = d.cache.lengths
-    nodes = s.nodes.at[:, 0].set(d.last)
-    out = target(nodes, cache=d.cache, tree_mask=tree.mask, positions=L[:, None] + jnp.asarray(tree.depth)[None],
-                 tap_ids=taps)
-    res = accept_tree(ka, out.logits, nodes, tree.children, D, None, sampling)
+    t = s.tree
+    nodes = t.tokens.at[:, 0].set(d.last)
+    out = target(nodes, cache=d.cache, tree_mask=t.mask, positions=L[:, None] + t.depth, tap_ids=taps)
+    res = accept_tree(ka, out.logits, nodes, t.children, D, None, sampling)
     live = ~d.done
     n_commit = jnp.where(live, res.num_accepted + 1, 0).astype(jnp.int32)
     cache = compact_cache(out.cache, L, res.path, res.num_accepted).rollback(L + n_commit)
@@ -109,7 +179,7 @@ def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree: TokenTre
     return TreeState(d, dcache, nxt, hist)
 
 
-def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos_ids, *, tree: TokenTree,
+def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos_ids, *, tree,
               sampling: SamplingParams, max_new_tokens: int, max_len: int, draft_len: int, pad_id: int, cache_dtype,
               draft_dtype) -> TreeState:
     """The traced program: prefill, first token, the draft ingests the prompt rows and drafts the
@@ -122,8 +192,8 @@ def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
     nxt = nxt.at[jnp.arange(B), prompt_lens - 1].set(dec.last.astype(prompt_ids.dtype))
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     dcache = draft.init_cache(B, kt.cache_slots(draft_len), draft_dtype)
-    nodes, dcache = propose_tree(draft, dcache, draft.aux_from_taps(aux), nxt, pos, prompt_lens, tree)
-    st = TreeState(dec, dcache, nodes, jnp.zeros((B, tree.max_depth + 1), jnp.int32))
+    drafted, dcache = propose_tree(draft, dcache, draft.aux_from_taps(aux), nxt, pos, prompt_lens, tree)
+    st = TreeState(dec, dcache, drafted, jnp.zeros((B, tree.max_depth + 1), jnp.int32))
 
     def cond(s: TreeState):
         return (s.dec.step < max_new_tokens - 1) & ~jnp.all(s.dec.done)
@@ -159,9 +229,9 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
     """Tree speculative generation over token-id prompts; output as
     :func:`specjax.decode.speculative.speculative_generate_ids` (``stats`` per tree depth: the
     histogram of accepted drafted nodes per round). ``tree``: a :class:`TokenTree` or vLLM's
-    ``speculative_token_tree`` path list (or its string). ``trace``: also return the final target
+    ``speculative_token_tree`` path list (or its string), or a :class:`DynamicTreeSpec`. ``trace``: also return the final target
     KV cache (``res.trace["target_cache"]``, tests)."""
-    tree = parse_tree(tree)
+    tree = as_tree(tree)
     sd = as_spec_draft(draft)
     check_tree_draft(sd.module)
     b = prepare(target.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,

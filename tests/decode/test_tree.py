@@ -81,7 +81,8 @@ def _markov_draft(V, seed, scale=2.0):
     return root, table
 
 
-def _check_tree(tr, root, table, b):
+def _check_tree(tr, root, logp, b):
+    """``logp(path tokens) -> [V]``: the draft's log-probs after a path."""
     par, dep, tok = (np.asarray(a)[b] for a in (tr.parent, tr.depth, tr.tokens))
     n1 = len(par)
     assert par[0] == -1 and (par[1:] >= 0).all() and (par[1:] < np.arange(1, n1)).all()  # ancestor-closed, ordered
@@ -99,7 +100,7 @@ def _check_tree(tr, root, table, b):
             toks.append(tok[j - 1])
             j = par[j]
         toks = toks[::-1]
-        s = float(root[b, toks[0]]) + sum(float(table[a, c]) for a, c in zip(toks, toks[1:]))
+        s = float(root[b, toks[0]]) + sum(float(logp(toks[: j + 1])[toks[j + 1]]) for j in range(len(toks) - 1))
         assert abs(s - float(tr.score[b, i - 1])) < 1e-4
     kids = np.asarray(tr.children)[b]
     for i in range(n1):
@@ -111,15 +112,17 @@ def test_dynamic_tree_is_a_valid_best_first_tree():
     root, table = _markov_draft(V, 0)
     calls = []
 
-    def expand(level, tokens, parent):
-        calls.append((level, tokens.shape, parent.shape))
-        return table[tokens]
+    second = jax.nn.log_softmax(jnp.asarray(np.random.default_rng(9).normal(size=(V, V)), jnp.float32), -1)
+
+    def expand(level, paths):  # a draft that depends on the first and the last token of the path
+        calls.append((level, paths.shape))
+        return jax.nn.log_softmax(table[paths[..., -1]] + second[paths[..., 0]], -1)
 
     tr = jax.jit(lambda r: dynamic_tree(r, expand, topk=topk, depth=depth, num_nodes=n))(root)
-    assert [c[0] for c in calls] == [1, 2] and calls[0][1] == (3, topk)
+    assert calls == [(1, (3, topk, 1)), (2, (3, topk, 2))]
     assert tr.tokens.shape == (3, n) and tr.mask.shape == (3, n + 1, n + 1) and tr.children.shape == (3, n + 1, topk)
     for b in range(3):
-        _check_tree(tr, root, table, b)
+        _check_tree(tr, root, lambda p: np.asarray(jax.nn.log_softmax(table[p[-1]] + second[p[0]])), b)
         # best first: the depth-1 nodes are the root's best children in order of probability
         d1 = np.asarray(tr.tokens)[b][np.asarray(tr.depth)[b, 1:] == 1]
         best = np.argsort(-np.asarray(root[b]), kind="stable")[: len(d1)]
@@ -135,7 +138,7 @@ def test_dynamic_tree_ties_stay_ancestor_closed():
     root = jnp.log(jnp.asarray([[0.5, 0.5, 0, 0, 0, 0]] * 3, jnp.float32) + 1e-30)
     M = topk + (depth - 1) * topk * topk
     for n in range(1, M + 1):
-        tr = dynamic_tree(root, lambda lvl, t, p: table[t], topk=topk, depth=depth, num_nodes=n)
+        tr = dynamic_tree(root, lambda lvl, paths: table[paths[..., -1]], topk=topk, depth=depth, num_nodes=n)
         par = np.asarray(tr.parent)
         assert (par[:, 1:] >= 0).all() and (par[:, 1:] < np.arange(1, n + 1)).all(), n
 

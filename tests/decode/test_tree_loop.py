@@ -19,7 +19,7 @@ from specjax.decode.sampling import SamplingParams, probs
 from specjax.decode.selfdraft import SelfDraft
 from specjax.decode.speculative import load_spec_draft
 from specjax.decode.tree import TokenTree
-from specjax.decode.tree_loop import TreeDraftError, tree_generate_ids
+from specjax.decode.tree_loop import DynamicTreeSpec, TreeDraftError, tree_generate_ids
 from specjax.models.hf import load_hf_dir
 from specjax.models.target import KVCache
 
@@ -31,6 +31,7 @@ TREES = {
     "chain": TokenTree.chain(3),
     # the full 4-ary tree of depth 3 (84 nodes): the 4 tokens the heads can reach, every path
     "full": [p for d in (1, 2, 3) for p in itertools.product(range(4), repeat=d)],
+    "dynamic": DynamicTreeSpec(topk=4, depth=3, num_nodes=20),  # EAGLE-2: best 20 of 36 candidates
 }
 
 
@@ -86,8 +87,8 @@ def test_greedy_tree_loop_equals_target_only(pair, reference, name):
     total = res.stats.total
     print(f"tree {name}: accepted-nodes histogram {total.tolist()}, rounds {res.rounds}, tau {res.stats.tau:.2f}")
     assert total[1:].sum() > 0, total  # drafted nodes are committed
-    if name == "full":
-        assert total[2] > 0 and total[3] > 0, total  # deep paths through rank > 0 nodes, and the leaves' bonus
+    if name in ("full", "dynamic"):  # deep paths through rank > 0 nodes (and the full tree's leaves' bonus)
+        assert total[2] > 0 and (name == "dynamic" or total[3] > 0), total
         assert res.rounds < NEW - 1  # fewer target forwards than tokens
 
 
@@ -132,12 +133,14 @@ def peaked_pair(tmp_path_factory):
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(temperature=1.0,
                                                                                                   top_p=0.9)],
                          ids=["t0.6_p0.9", "t1_p0.9"])
-def test_sampled_tree_loop_is_lossless(peaked_pair, sampling):
-    """The first three tokens of 20 000 tree-loop samples (vLLM's tree: two siblings at depth 1,
-    point-mass proposals) follow the target's exact joint distribution (chi-square)."""
+@pytest.mark.parametrize("tree", ["vllm", DynamicTreeSpec(topk=2, depth=2, num_nodes=4)], ids=["vllm", "dynamic"])
+def test_sampled_tree_loop_is_lossless(peaked_pair, sampling, tree):
+    """The first three tokens of 20 000 tree-loop samples (vLLM's tree, and a dynamic tree: two
+    siblings at depth 1, point-mass proposals) follow the target's exact joint distribution
+    (chi-square)."""
     target, draft = peaked_pair
     prompt = [5, 6, 7]
-    res = tree_generate_ids(target, draft, [prompt] * N_SAMPLES, tree=TREES["vllm"], max_new_tokens=3,
+    res = tree_generate_ids(target, draft, [prompt] * N_SAMPLES, tree=TREES.get(tree, tree), max_new_tokens=3,
                             eos_token_ids=[], sampling=sampling, seed=4, prompt_bucket=4)
     toks = np.asarray(res.tokens)
     assert toks.shape == (N_SAMPLES, 3)
@@ -152,5 +155,13 @@ def test_sampled_tree_loop_is_lossless(peaked_pair, sampling):
     assert big.sum() >= 20, big.sum()
     o, e = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
     pval = float(stats.chisquare(o, e * o.sum() / e.sum()).pvalue)
-    print(f"tree loop chi-square {sampling}: p = {pval:.4f} over {big.sum()} cells, accepted-nodes {total.tolist()}")
+    print(f"tree loop chi-square {tree} {sampling}: p = {pval:.4f} over {big.sum()} cells, accepted-nodes {total.tolist()}")
     assert pval > 0.01, pval
+
+
+def test_dynamic_tree_spec_is_validated():
+    assert DynamicTreeSpec(topk=2, depth=2, num_nodes=6).max_depth == 2
+    with pytest.raises(ValueError, match=r"1 <= num_nodes <= 6 \(the candidates\), got topk=2 depth=2 num_nodes=7"):
+        DynamicTreeSpec(topk=2, depth=2, num_nodes=7)
+    with pytest.raises(ValueError, match="topk >= 1"):
+        DynamicTreeSpec(topk=0, depth=2, num_nodes=1)
