@@ -78,8 +78,8 @@ def bench_cmd(
     from specjax.decode import bench
     from specjax.decode.sampling import SamplingParams
     from specjax.decode.speculative import load_spec_draft
-    from specjax.models.loading import load_target
-    from specjax.sharding import describe, is_main_process, load_target as load_sharded, sync
+    from specjax.sharding import describe, is_main_process, sync
+    from specjax.sharding.placement import Placement
 
     try:
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
@@ -93,10 +93,7 @@ def bench_cmd(
         raw = bench_prompts(prompts, max_samples=max_samples, shuffle_seed=shuffle_seed)  # before any model loads
         fetch_target(target, download=download)  # repo ids: into the local HF cache (only with --download)
         draft = draft_dir(draft, download=download)
-        if sharded:  # every parameter straight into its sharding
-            lt = load_sharded(target, dev_mesh, dtype=dt, cache_dir=cache_dir, progress=progress)
-        else:
-            lt = load_target(target, dtype=dt, cache_dir=cache_dir, progress=progress)
+        lt = Placement.of(dev_mesh).load_target(target, dtype=dt, cache_dir=cache_dir, progress=progress)
         sd = load_spec_draft(draft, lt, dtype=dt, mesh=dev_mesh)
         ids = bench.encode(lt, raw, chat=chat)
         tok = lt.tokenizer

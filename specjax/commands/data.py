@@ -38,14 +38,10 @@ def _log(msg: str) -> None:
 def _load_target(target: str, dev_mesh, progress: bool, download: bool = False):
     """The target on ``dev_mesh`` (straight into its shardings) when it has several devices, else
     on the default device; with ``download`` a repo id is fetched into the HF cache first."""
+    from specjax.sharding.placement import Placement
+
     fetch_target(target, download=download)
-    if dev_mesh.size > 1:
-        from specjax.sharding import load_target as load_sharded
-
-        return load_sharded(target, dev_mesh, progress=progress)
-    from specjax.models.loading import load_target
-
-    return load_target(target, progress=progress)
+    return Placement.of(dev_mesh).load_target(target, progress=progress)
 
 
 @data_app.command("prepare")

@@ -49,8 +49,8 @@ def generate_cmd(
     whole decode loop is one jit; speculative greedy output equals the target's)."""
     from bridge.errors import BridgeError
     from specjax.decode.generate import generate
-    from specjax.models.loading import load_target
-    from specjax.sharding import describe, is_main_process, load_target as load_sharded
+    from specjax.sharding import describe, is_main_process
+    from specjax.sharding.placement import Placement
 
     fetch_target(target, download=download)  # repo ids: into the local HF cache (only with --download)
     draft = draft_dir(draft, download=download)
@@ -58,10 +58,7 @@ def generate_cmd(
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
         t0 = time.perf_counter()
         dt = None if dtype == "auto" else dtype
-        if dev_mesh.size > 1:  # every parameter straight into its sharding
-            lt = load_sharded(target, dev_mesh, dtype=dt, cache_dir=cache_dir, progress=not as_json)
-        else:
-            lt = load_target(target, dtype=dt, cache_dir=cache_dir, progress=not as_json)
+        lt = Placement.of(dev_mesh).load_target(target, dtype=dt, cache_dir=cache_dir, progress=not as_json)
         t1 = time.perf_counter()
         stats = None
         if draft is None:

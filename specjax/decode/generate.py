@@ -528,7 +528,7 @@ _LOADED: dict = {}
 
 
 def _get_target(target, dtype, cache_dir, mesh=None):
-    from specjax.models.loading import LoadedTarget, load_target
+    from specjax.models.loading import LoadedTarget
 
     if isinstance(target, LoadedTarget):
         return target
@@ -536,12 +536,9 @@ def _get_target(target, dtype, cache_dir, mesh=None):
         return LoadedTarget(target, target.config, None, "<module>", "module")
     key = (None if target is None else str(target), str(dtype), mesh)
     if key not in _LOADED:
-        if mesh is not None and mesh.size > 1:
-            from specjax.sharding import load_target as load_sharded
+        from specjax.sharding.placement import Placement
 
-            _LOADED[key] = load_sharded(target, mesh, dtype=dtype, cache_dir=cache_dir)
-        else:
-            _LOADED[key] = load_target(target, dtype=dtype, cache_dir=cache_dir)
+        _LOADED[key] = Placement.of(mesh).load_target(target, dtype=dtype, cache_dir=cache_dir)
     return _LOADED[key]
 
 

@@ -172,20 +172,15 @@ def load_spec_draft(draft, target, *, dtype=None, speculative_tokens: int = 3, m
     if not isinstance(draft, (str, os.PathLike)):
         return SpecDraft(draft)
     import bridge
-    from specjax.models.drafts import load_draft
+    from specjax.sharding.placement import Placement
 
     path = os.fspath(draft)
     opened = bridge.open_checkpoint(path)  # config.json and headers, read once for the whole load
     check_pair(opened.config, model.config, draft_src=path, target_src=getattr(target, "source", "<module>"))
     if dtype is None:  # run the draft in the target's dtype (a bf16 checkpoint under an f32 target: f32)
         dtype = jnp.dtype(model.model.embed_tokens.embedding[...].dtype).name
-    kw = dict(dtype=dtype, verifier_heads=False, opened=opened, verifier_checked=True)
-    if mesh is not None and mesh.size > 1:
-        from specjax.sharding import load_draft as load_sharded
-
-        module = load_sharded(path, target, mesh, **kw)
-    else:
-        module = load_draft(path, target, **kw)
+    module = Placement.of(mesh).load_draft(path, target, dtype=dtype, verifier_heads=False, opened=opened,
+                                           verifier_checked=True)
     return SpecDraft(module, opened.config, path)
 
 

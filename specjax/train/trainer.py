@@ -122,18 +122,15 @@ class Run:
         records = None
         if cfg.data.prepare is not None and needs_prepare(cfg):
             records = recipe_prompts(cfg)  # a bad prompt input fails here, before the target loads
-        from specjax.models.loading import LoadedTarget, load_target
+        from specjax.models.loading import LoadedTarget
 
         if target is None and not needs_prepare(cfg) and not self.algorithm.reads_target_layers \
                 and not cfg.data.online:
             target = target_info_if_light(cfg.target)  # data cached: no target weights on the device
-        if target is None:
-            if self.mesh is not None:  # straight into its shardings (TARGET_RULES): no full copy on one device
-                from specjax.sharding import load_target as load_sharded
+        if target is None:  # on a mesh: straight into its shardings (TARGET_RULES), no full copy on one device
+            from specjax.sharding.placement import Placement
 
-                target = load_sharded(cfg.target, self.mesh, progress=self.progress)
-            else:
-                target = load_target(cfg.target, progress=self.progress)
+            target = Placement(self.mesh).load_target(cfg.target, progress=self.progress)
         elif not isinstance(target, (LoadedTarget, TargetInfo)):
             raise TrainError("target must be a LoadedTarget")
         self.target = target
