@@ -28,6 +28,7 @@ tree loop yet.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
@@ -95,9 +96,13 @@ class TreeState(NamedTuple):
 
 
 def check_tree_draft(draft) -> None:
-    if not callable(getattr(draft, "propose", None)):
+    """Refuse a draft that cannot teacher-force a chain (:class:`TreeDraftError`): block drafts
+    (P-EAGLE, DFlash, DSpark) propose all positions in one pass, the self draft has no forced chain."""
+    prop = getattr(draft, "propose", None)
+    if not callable(prop) or "forced" not in inspect.signature(prop).parameters:
         raise TreeDraftError(f"a {getattr(draft, 'algorithm', type(draft).__name__)} draft cannot draft a token "
-                             "tree: it needs a chain draft's propose(..., forced=) (EAGLE-3, MTP)", key="tree")
+                             "tree: it needs teacher-forced chain proposals, propose(..., forced=) (EAGLE-3, MTP)",
+                             key="tree")
 
 
 def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree) -> tuple[Drafted, Any]:

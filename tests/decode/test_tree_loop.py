@@ -92,10 +92,28 @@ def test_greedy_tree_loop_equals_target_only(pair, reference, name):
         assert res.rounds < NEW - 1  # fewer target forwards than tokens
 
 
-def test_tree_needs_a_chain_draft(pair):
+def test_tree_needs_a_chain_draft(pair, verifiers, tmp_path):
+    from tests.refs.speculators_ckpts import build
+
     target, _ = pair
-    with pytest.raises(TreeDraftError, match="cannot draft a token tree"):
+    with pytest.raises(TreeDraftError, match="a self draft cannot draft a token tree"):
         tree_generate_ids(target, SelfDraft(target, 1), PROMPTS[:1], tree=TREES["vllm"], max_new_tokens=4)
+    peagle = load_spec_draft(str(build("peagle", tmp_path / "peagle", verifiers["llama"])), target)
+    with pytest.raises(TreeDraftError, match=r"a peagle draft cannot draft a token tree: it needs teacher-forced"):
+        tree_generate_ids(target, peagle, PROMPTS[:1], tree=TREES["vllm"], max_new_tokens=4)
+
+
+def test_mtp_tree_loop_equals_target_only(verifiers, tmp_path):
+    """An MTP head (Qwen3 verifier) drafts trees too: greedy output and final cache as target-only."""
+    from tests.refs.speculators_ckpts import build
+
+    target = load_hf_dir(verifiers["qwen3"])
+    draft = load_spec_draft(str(build("mtp", tmp_path / "mtp", verifiers["qwen3"])), target)
+    ref = generate_ids(target, PROMPTS, max_new_tokens=12, eos_token_ids=[]).tokens
+    for tree in (TREES["vllm"], DynamicTreeSpec(topk=3, depth=2, num_nodes=6)):
+        res = tree_generate_ids(target, draft, PROMPTS, tree=tree, max_new_tokens=12, eos_token_ids=[], trace=True)
+        assert res.tokens == ref, tree
+        _check_cache(target, res)
 
 
 N_SAMPLES = 20_000
