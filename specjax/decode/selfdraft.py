@@ -82,9 +82,11 @@ class SelfDraft(nnx.Module):
         return x, cache._replace(k=tuple(ks), v=tuple(vs))
 
     def speculate(self, cache: KVCache, hidden_states, next_tokens, positions, *, n_valid=None, k: int | None = None,
-                  sample: Callable = greedy, key=None) -> Proposal:
+                  sample: Callable = greedy, key=None, forced=None) -> Proposal:
         """hidden_states [B, n, H]: embeddings of the committed rows' tokens (tap 0) at ``positions``
-        [B, n]; next_tokens [B, n] the token after each row; ``n_valid`` [B] real rows."""
+        [B, n]; next_tokens [B, n] the token after each row; ``n_valid`` [B] real rows. ``forced``
+        int [B, k-1]: the tokens fed to chain steps 1..k-1 instead of the drafted ones (teacher
+        forcing: token-tree drafting, :mod:`specjax.decode.tree_loop`)."""
         k = self.speculative_tokens if k is None else int(k)
         B, n = next_tokens.shape
         nv = jnp.full((B,), n, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
@@ -94,14 +96,26 @@ class SelfDraft(nnx.Module):
         cache = cache.rollback(pos0)
         keys = jax.random.split(key if key is not None else jax.random.key(0), k)
 
+        fx = jnp.zeros((k, B), jnp.int32)
+        if forced is not None:
+            fx = fx.at[1:].set(jnp.asarray(forced, jnp.int32).reshape(B, k - 1).T)
+
         def body(carry, xs):
             c, tok = carry
-            s, kk = xs
+            s, kk, f = xs
+            if forced is not None:
+                tok = jnp.where(s > 0, f, tok)
             h, c = self.forward(self.embed_tokens(tok[:, None]), (pos0 + s)[:, None], c)
             logits = self.head(h[:, 0])
             d = sample(logits, kk)
             return (c, d), (d, logits)
 
-        (cache, _), (ds, ls) = jax.lax.scan(body, (cache, tok0), (jnp.arange(k, dtype=jnp.int32), keys))
+        (cache, _), (ds, ls) = jax.lax.scan(body, (cache, tok0), (jnp.arange(k, dtype=jnp.int32), keys, fx))
         draft = ds.T
         return Proposal(draft, draft, jnp.moveaxis(ls, 0, 1), cache)
+
+    def propose(self, cache: KVCache, hidden_states, next_tokens, positions, *, k: int | None = None, n_valid=None,
+                sample: Callable = greedy, key=None, forced=None) -> Proposal:
+        """:meth:`speculate` (the chain drafts' teacher-forced entry, for token trees)."""
+        return self.speculate(cache, hidden_states, next_tokens, positions, n_valid=n_valid, k=k, sample=sample,
+                              key=key, forced=forced)

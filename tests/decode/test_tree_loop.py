@@ -96,11 +96,25 @@ def test_tree_needs_a_chain_draft(pair, verifiers, tmp_path):
     from tests.refs.speculators_ckpts import build
 
     target, _ = pair
-    with pytest.raises(TreeDraftError, match="a self draft cannot draft a token tree"):
-        tree_generate_ids(target, SelfDraft(target, 1), PROMPTS[:1], tree=TREES["vllm"], max_new_tokens=4)
     peagle = load_spec_draft(str(build("peagle", tmp_path / "peagle", verifiers["llama"])), target)
     with pytest.raises(TreeDraftError, match=r"a peagle draft cannot draft a token tree: it needs teacher-forced"):
         tree_generate_ids(target, peagle, PROMPTS[:1], tree=TREES["vllm"], max_new_tokens=4)
+
+
+def test_self_draft_trees(pair, reference):
+    """The target's own layers as the draft (teacher-forced chains): the oracle (all layers)
+    accepts the full depth of the rank-0 path every round; a 1-layer self draft less."""
+    target, _ = pair
+    for layers, tree in ((None, TREES["vllm"]), (1, DynamicTreeSpec(topk=2, depth=3, num_nodes=6))):
+        res = tree_generate_ids(target, SelfDraft(target, layers), PROMPTS, tree=tree, max_new_tokens=NEW,
+                                eos_token_ids=[], trace=True)
+        assert res.tokens == reference, layers
+        _check_cache(target, res)
+        total = res.stats.total
+        if layers is None:
+            assert total[3] >= 0.9 * total.sum(), total  # the oracle's rank-0 path: all 3 accepted
+        else:
+            assert total[1:].sum() > 0, total
 
 
 def test_mtp_tree_loop_equals_target_only(verifiers, tmp_path):
