@@ -103,3 +103,14 @@ def test_rank_table_is_the_documented_order():
     """models < decode < train, bridge at the bottom, the CLI at the top."""
     assert rank("specjax.models.layers") < rank("specjax.decode.generate") < rank("specjax.train.trainer")
     assert rank("bridge.schema") == 0 and rank("specjax.processes") == 1 and rank("specjax.cli") == 8
+
+
+def test_no_private_names_cross_modules():
+    """A name with a leading underscore is its module's own: no other module imports it."""
+    bad = []
+    for mod, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("specjax", "bridge"):
+                bad += [f"{mod}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "\n".join(bad)

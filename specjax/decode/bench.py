@@ -50,7 +50,7 @@ from flax import nnx
 from specjax.decode.generate import bucket, generate_ids, packed_length
 from specjax.decode.sampling import GREEDY, SamplingParams
 from specjax.decode.spec_stats import SpecStats, alpha_from_tau, predicted_speedup
-from specjax.decode.speculative import _Pair, SpecDraft, place_pair, resolve_k, speculative_generate_ids, split_pair
+from specjax.decode.speculative import Pair, SpecDraft, place_pair, resolve_k, speculative_generate_ids, split_pair
 from specjax.models import panels
 from specjax.models.drafts.common import greedy
 from specjax.models.layers import first_argmax
@@ -140,7 +140,7 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     ``mesh``: inputs and caches placed as the sharded loop places them (batch over data/fsdp,
     heads over tensor; ``batch`` is padded to a multiple of data x fsdp), params as in ``split``
     (default :func:`specjax.decode.speculative.place_pair`)."""
-    from specjax.decode.generate import _pin
+    from specjax.decode.generate import pin_cache
 
     if mesh is not None:
         from specjax import sharding as shd
@@ -150,7 +150,7 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
             split = place_pair(target, draft, mesh)
     graphdef, state = split if split is not None else split_pair(target, draft)
     if mesh is None:  # the weights the single-device loop runs on (speculative_generate_ids)
-        state = panels.decode_state(_Pair(target, draft), state)
+        state = panels.decode_state(Pair(target, draft), state)
     cfg = target.config
     S = prompt_len + max_new_tokens
     fill_host = np.full((batch,), prompt_len + max_new_tokens // 2, np.int32)
@@ -195,7 +195,7 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     @jax.jit
     def draft_round(state, aux, ids, pos, nv, fill, reps):
         d = nnx.merge(graphdef, state).draft
-        dcache = _pin(d.init_cache(batch, S + 2 * (k + 1), dtype, lengths=fill), mesh)
+        dcache = pin_cache(d.init_cache(batch, S + 2 * (k + 1), dtype, lengths=fill), mesh)
         rows = d.aux_from_taps(aux)
 
         def body(_, ids):
@@ -404,7 +404,7 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
 
         data["cpu_kernels"] = kernels.available()
         if data["cpu_kernels"]:  # which weights the kernels stream as bf16 (bf16-valued params)
-            data["panel_dtypes"] = panels.panel_dtypes(panels.decode_state(_Pair(target, draft.module), split[1]))
+            data["panel_dtypes"] = panels.panel_dtypes(panels.decode_state(Pair(target, draft.module), split[1]))
     else:
         from specjax.sharding import describe
 

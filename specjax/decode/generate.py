@@ -190,10 +190,10 @@ def start(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max
     (aux: the prompt rows' tapped hidden states, for a draft). ``mesh``: pin the KV cache to
     ``specjax.sharding.kv_cache_sharding`` (batch on data/fsdp, heads on tensor)."""
     B = prompt_ids.shape[0]
-    cache = _pin(KVCache.init(model.config, B, kt.cache_slots(max_len), cache_dtype), mesh)
+    cache = pin_cache(KVCache.init(model.config, B, kt.cache_slots(max_len), cache_dtype), mesh)
     logits, cache, aux = prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, packed_len=packed_len,
                                  chunk=prefill_chunk)
-    cache = _pin(cache, mesh)
+    cache = pin_cache(cache, mesh)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, sampling)
     st = DecodeState(step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, max_new_tokens), pad_id, jnp.int32),
@@ -202,7 +202,9 @@ def start(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max
     return emit(st, first[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id), aux
 
 
-def _pin(cache, mesh):
+def pin_cache(cache, mesh):
+    """``cache`` constrained to ``specjax.sharding.kv_cache_sharding`` on ``mesh`` (batch on
+    data/fsdp, heads on tensor) inside a traced loop; unchanged without a mesh."""
     if mesh is None:
         return cache
     from specjax.sharding import constrain_cache
@@ -274,7 +276,7 @@ def decode_step_taps(model: CausalLM, s: DecodeState, eos_ids, *, sampling: Samp
     out = model(s.last[:, None], cache=s.cache, tap_ids=tuple(tap_ids), logits_at=jnp.zeros((B,), jnp.int32))
     k, sub = jax.random.split(s.key)
     nxt = sample(sub, out.logits, sampling)
-    s = s._replace(step=s.step + 1, cache=_pin(out.cache, mesh), key=k)
+    s = s._replace(step=s.step + 1, cache=pin_cache(out.cache, mesh), key=k)
     return emit(s, nxt[:, None], jnp.ones((B,), jnp.int32), eos_ids, pad_id), out.aux_hidden_states
 
 
@@ -527,7 +529,9 @@ class Completion:
 _LOADED: dict = {}
 
 
-def _get_target(target, dtype, cache_dir, mesh=None):
+def get_target(target, dtype, cache_dir, mesh=None):
+    """A ``LoadedTarget`` from what the Python API takes (a LoadedTarget, a ``CausalLM``, a source
+    string or None for the default), loaded once per (source, dtype, mesh) in this process."""
     from specjax.models.loading import LoadedTarget
 
     if isinstance(target, LoadedTarget):
@@ -555,7 +559,7 @@ def generate(prompts, *, target=None, chat: bool = False, max_new_tokens: int = 
     ``mesh`` (a ``jax.sharding.Mesh`` from ``specjax.sharding.make_mesh``): load a target given by
     path sharded on it; a target already sharded runs sharded whatever ``mesh`` says.
     """
-    lt = _get_target(target, dtype, cache_dir, mesh)
+    lt = get_target(target, dtype, cache_dir, mesh)
     tok = lt.tokenizer
     ids = encode_prompts(lt, prompts, chat=chat)
     eos = lt.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)

@@ -44,7 +44,7 @@ from flax import nnx
 from specjax import placement
 from specjax.decode.accept import accept, draft_probs, is_lossy, sample_draft
 from specjax.decode.generate import (
-    GREEDY, Completion, DecodeState, GenerationResult, _get_target, _pin, cache_dtype_of, completions, emit,
+    GREEDY, Completion, DecodeState, GenerationResult, get_target, pin_cache, cache_dtype_of, completions, emit,
     encode_prompts, prepare, resolve_packed_len, start,
 )
 from specjax.decode.sampling import SamplingParams
@@ -214,7 +214,9 @@ class SpecState(NamedTuple):
     trace: tuple  # (proposals [R, B, k], accepted [R, B], start length [R, B], live [R, B]) or ()
 
 
-class _Pair(nnx.Module):
+class Pair(nnx.Module):
+    """The target and the draft as one module: one ``nnx.split`` gives the loop's graphdef and state."""
+
     def __init__(self, target, draft):
         self.target = target
         self.draft = draft
@@ -252,9 +254,9 @@ def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
     nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.full((B, 1), pad_id, prompt_ids.dtype)], axis=1)
     nxt = nxt.at[jnp.arange(B), prompt_lens - 1].set(dec.last.astype(prompt_ids.dtype))
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    dcache = _pin(draft.init_cache(B, kt.cache_slots(draft_len), draft_dtype), mesh)
+    dcache = pin_cache(draft.init_cache(B, kt.cache_slots(draft_len), draft_dtype), mesh)
     prop, q, dcache = _propose(draft, dcache, draft.aux_from_taps(aux), nxt, pos, prompt_lens, params, kd, V)
-    dcache = _pin(dcache, mesh)
+    dcache = pin_cache(dcache, mesh)
     R = max(max_new_tokens - 1, 1)
     tr = ((jnp.zeros((R, B, k), jnp.int32), jnp.zeros((R, B), jnp.int32), jnp.zeros((R, B), jnp.int32),
            jnp.zeros((R, B), bool)) if trace else ())
@@ -286,7 +288,7 @@ def spec_round(target: CausalLM, draft, s: SpecState, eos_ids, relax, *, params:
                  verifier_accept_k=relax[0], accept_tolerance=relax[1])
     live = ~d.done
     n_commit = jnp.where(live, res.num_accepted + 1, 0).astype(jnp.int32)
-    d = d._replace(step=d.step + 1, cache=_pin(out.cache.rollback(L + n_commit), mesh), key=nkey)
+    d = d._replace(step=d.step + 1, cache=pin_cache(out.cache.rollback(L + n_commit), mesh), key=nkey)
     d = emit(d, res.tokens, res.num_accepted + 1, eos_ids, pad_id)
     hist = s.hist + jnp.where(live[:, None], (ar[None] == res.num_accepted[:, None]).astype(jnp.int32), 0)
     tr = s.trace
@@ -296,7 +298,7 @@ def spec_round(target: CausalLM, draft, s: SpecState, eos_ids, relax, *, params:
     # hand-off: target rows of the committed tokens (verify positions 0..n), next token of each
     rows = draft.aux_from_taps(out.aux_hidden_states)
     prop, q, dcache = _propose(draft, s.dcache, rows, res.tokens, L[:, None] + ar[None], n_commit, params, kd, V)
-    return SpecState(d, _pin(dcache, mesh), prop, q, hist, tr)
+    return SpecState(d, pin_cache(dcache, mesh), prop, q, hist, tr)
 
 
 def _spec_outputs(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, relax, *, params, max_new_tokens,
@@ -427,7 +429,7 @@ class SpecResult(GenerationResult):
 
 
 def split_pair(target: CausalLM, draft):
-    return nnx.split(_Pair(target, draft))
+    return nnx.split(Pair(target, draft))
 
 
 def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]], *, k: int | None = None,
@@ -472,7 +474,7 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
     max_len = P + max_new_tokens  # verify writes past it are dropped: those tokens are never emitted
     draft_len = P + max_new_tokens + 2 * (kk + 1)
     graphdef, state = split if split is not None else split_pair(target, sd.module)
-    ddtype = _draft_dtype(sd.module)
+    ddtype = draft_dtype_of(sd.module)
     mesh = _mesh_for(state, mesh)
     if mesh is not None:
         graphdef, state = place_pair(target, sd.module, mesh, split=(graphdef, state))
@@ -480,7 +482,7 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
                             max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len),
                             cache_dtype=cache_dtype_of(target), draft_dtype=ddtype, trace=bool(trace))
         return _result(out, b, len(prompts), kk, vak, tol, trace)
-    state = panels.decode_state(_Pair(target, sd.module), state)
+    state = panels.decode_state(Pair(target, sd.module), state)
     out = _spec_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
                     jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), jnp.asarray([vak, tol], jnp.float32),
                     params=params,
@@ -528,7 +530,8 @@ def _spec_sharded(mesh, graphdef, state, b, *, vak, tol, seed: int, params: Spec
     return jax.tree.map(shd.to_host, out)
 
 
-def _draft_dtype(module):
+def draft_dtype_of(module):
+    """The draft's parameter dtype (its cache dtype), read from the dtypes alone (abstract params too)."""
     for name in ("embed_tokens", "fc", "lm_head"):
         m = getattr(module, name, None)
         for attr in ("embedding", "kernel"):
@@ -548,7 +551,7 @@ def speculative_generate(prompts, *, target=None, draft="self", chat: bool = Fal
     module or a :class:`SpecDraft`) and ``k``. Returns the completions and the acceptance stats.
     ``mesh`` (a ``jax.sharding.Mesh``, ``specjax.sharding.make_mesh``): a target or draft given by
     path loads sharded on it and the loop runs sharded (see :func:`speculative_generate_ids`)."""
-    lt = _get_target(target, dtype, cache_dir, mesh)
+    lt = get_target(target, dtype, cache_dir, mesh)
     sd = load_spec_draft(draft, lt, dtype=dtype, mesh=mesh)
     ids = encode_prompts(lt, prompts, chat=chat)
     eos = lt.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)

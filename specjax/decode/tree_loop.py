@@ -40,7 +40,7 @@ from flax import nnx
 from specjax import placement
 from specjax.decode.generate import DecodeState, cache_dtype_of, emit, prepare, start
 from specjax.decode.sampling import SamplingParams
-from specjax.decode.speculative import GREEDY, SpecResult, _draft_dtype, _Pair, as_spec_draft, split_pair
+from specjax.decode.speculative import GREEDY, Pair, SpecResult, as_spec_draft, draft_dtype_of, split_pair
 from specjax.decode.spec_stats import SpecStats
 from specjax.decode.tree import TokenTree, accept_tree, compact_cache, dynamic_tree, parse_tree
 from specjax.kernels import tpu as kt
@@ -245,11 +245,11 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
     max_len = P + max_new_tokens + N + 1  # a verify writes N+1 rows past the committed ones
     draft_len = P + max_new_tokens + 2 * (tree.max_depth + 1)
     graphdef, state = split_pair(target, sd.module)
-    state = panels.decode_state(_Pair(target, sd.module), state)
+    state = panels.decode_state(Pair(target, sd.module), state)
     out = _tree_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
                     jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), tree=tree, sampling=sampling,
                     max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len), pad_id=b.pad,
-                    cache_dtype=cache_dtype_of(target), draft_dtype=_draft_dtype(sd.module), trace=bool(trace),
+                    cache_dtype=cache_dtype_of(target), draft_dtype=draft_dtype_of(sd.module), trace=bool(trace),
                     platform=placement.platform_of(state))
     out = jax.device_get(out)
     n = len(prompts)

@@ -66,7 +66,7 @@ def default_gguf_path() -> Path:
     return p
 
 
-def _hf_cache_snapshot(repo_id: str) -> Path | None:
+def hf_cache_snapshot(repo_id: str) -> Path | None:
     """The cached snapshot of a repo id, or None (no network; used by ``specjax.models.presets``)."""
     from specjax import hub
 

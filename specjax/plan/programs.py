@@ -255,7 +255,7 @@ def generate_program(p: PlanInputs) -> Program:
 def speculate_program(p: PlanInputs) -> Program:
     """The speculative loop (``sharded_spec_fn``) with the recipe's draft, and one round."""
     from specjax.decode.speculative import (
-        GREEDY, SpecParams, SpecState, _draft_dtype, place_pair, sharded_spec_fn, spec_round, split_pair,
+        GREEDY, SpecParams, SpecState, draft_dtype_of, place_pair, sharded_spec_fn, spec_round, split_pair,
     )
     from specjax.decode.generate import padded_mesh_inputs
     from specjax.models.drafts.load import build_draft
@@ -269,7 +269,7 @@ def speculate_program(p: PlanInputs) -> Program:
     b, _ = _decode_batch(p)
     P, new = b.padded_len, int(p.new_tokens)
     max_len, draft_len = P + new, P + new + 2 * (k + 1)
-    cdt, ddt = jnp.dtype(p.target_dtype), _draft_dtype(draft)
+    cdt, ddt = jnp.dtype(p.target_dtype), draft_dtype_of(draft)
     rep = shd.replicated(mesh)
     inputs = padded_mesh_inputs(b, mesh, 0, abstract=True)
     relax = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=rep)
