@@ -118,39 +118,53 @@ def check_vocab_values(cfg: DraftConfig, store, rep: Report, *, deep: bool) -> N
 
 def check_config(cfg: DraftConfig, shapes: dict[str, tuple[tuple[int, ...], str]], rep: Report) -> None:
     """All header-level rules. ``shapes``: name -> (shape, safetensors dtype tag)."""
-    lc = cfg.layer
-    H, V = lc.hidden_size, lc.vocab_size
-    algo = cfg.speculators_model_type
-    raw = cfg._raw or {}
     exp = expected_tensors(cfg)
     shp = {n: s for n, (s, _) in shapes.items()}
-
-    # -- the seed's shape rules (fc width, lm_head, embed rows, vocab buffers, first-layer width)
     if not isinstance(cfg, MTPConfig):
-        A = cfg.num_aux
-        if "fc.weight" in shp and shp["fc.weight"][1:] != (A * H,):
-            rep.error("fc.in_features", f"fc in_features {shp['fc.weight'][1]} != {A} aux x {H}"
-                      + (" (no aux ids recorded: speculators and vLLM both assume 3)" if not cfg.aux_layer_ids else ""),
-                      "fc.weight")
-        Vd = cfg.draft_vocab_size
-        if "lm_head.weight" in shp and shp["lm_head.weight"] != (Vd, H):
-            rep.error("lm_head.shape", f"lm_head {list(shp['lm_head.weight'])} != {[Vd, H]} (draft_vocab_size x hidden)",
-                      "lm_head.weight")
-        if "embed_tokens.weight" in shp and shp["embed_tokens.weight"][0] != V:
-            rep.error("embed.rows", f"embed_tokens rows {shp['embed_tokens.weight'][0]} != verifier vocab_size {V}",
-                      "embed_tokens.weight")
-        if cfg.vocab_pruned:
-            for name, want in (("t2d", (V,)), ("d2t", (Vd,))):
-                if name in shp and shp[name] != want:
-                    rep.error("vocab.buffers", f"{name} length {shp[name][0]} != {want[0]} "
-                              f"(t2d: verifier vocab {V}, d2t: draft vocab {Vd})", name)
-        else:
-            for name in ("t2d", "d2t"):
-                if name in shp:
-                    rep.warn("vocab.buffers", f"{name} is present but draft_vocab_size == vocab_size ({V}); "
-                             "speculators ignores the mapping", name)
-        if Vd > V:
-            rep.error("vocab.size", f"draft_vocab_size {Vd} > verifier vocab_size {V}", "draft_vocab_size")
+        _check_seed_shapes(cfg, shp, rep)
+    _check_algorithm_rules(cfg, shp, rep)
+    _check_tensor_contract(cfg, exp, shapes, rep)
+    _check_aux_ids(cfg, rep)
+    _check_ambiguous_keys(cfg, rep)
+    _check_proposals_and_binding(cfg, rep)
+
+
+def _check_seed_shapes(cfg: DraftConfig, shp: dict[str, tuple[int, ...]], rep: Report) -> None:
+    """The seed's shape rules of a draft with its own fc/lm_head: fc width, lm_head, embed rows,
+    vocab buffers, draft vocabulary no larger than the verifier's."""
+    H, V = cfg.layer.hidden_size, cfg.layer.vocab_size
+    A = cfg.num_aux
+    if "fc.weight" in shp and shp["fc.weight"][1:] != (A * H,):
+        rep.error("fc.in_features", f"fc in_features {shp['fc.weight'][1]} != {A} aux x {H}"
+                  + (" (no aux ids recorded: speculators and vLLM both assume 3)" if not cfg.aux_layer_ids else ""),
+                  "fc.weight")
+    Vd = cfg.draft_vocab_size
+    if "lm_head.weight" in shp and shp["lm_head.weight"] != (Vd, H):
+        rep.error("lm_head.shape", f"lm_head {list(shp['lm_head.weight'])} != {[Vd, H]} (draft_vocab_size x hidden)",
+                  "lm_head.weight")
+    if "embed_tokens.weight" in shp and shp["embed_tokens.weight"][0] != V:
+        rep.error("embed.rows", f"embed_tokens rows {shp['embed_tokens.weight'][0]} != verifier vocab_size {V}",
+                  "embed_tokens.weight")
+    if cfg.vocab_pruned:
+        for name, want in (("t2d", (V,)), ("d2t", (Vd,))):
+            if name in shp and shp[name] != want:
+                rep.error("vocab.buffers", f"{name} length {shp[name][0]} != {want[0]} "
+                          f"(t2d: verifier vocab {V}, d2t: draft vocab {Vd})", name)
+    else:
+        for name in ("t2d", "d2t"):
+            if name in shp:
+                rep.warn("vocab.buffers", f"{name} is present but draft_vocab_size == vocab_size ({V}); "
+                         "speculators ignores the mapping", name)
+    if Vd > V:
+        rep.error("vocab.size", f"draft_vocab_size {Vd} > verifier vocab_size {V}", "draft_vocab_size")
+
+
+def _check_algorithm_rules(cfg: DraftConfig, shp: dict[str, tuple[int, ...]], rep: Report) -> None:
+    """Per-algorithm rules: EAGLE-3's first-layer width and family, DFlash's block settings and
+    required keys, P-EAGLE's mask token."""
+    lc = cfg.layer
+    H = lc.hidden_size
+    algo = cfg.speculators_model_type
     if isinstance(cfg, Eagle3Config):
         q = "layers.0.self_attn.q_proj.weight"
         if q in shp and shp[q][1] != 2 * H:
@@ -178,7 +192,12 @@ def check_config(cfg: DraftConfig, shapes: dict[str, tuple[tuple[int, ...], str]
     if isinstance(cfg, PEagleConfig) and cfg.mask_token_id is None:
         rep.error("peagle.mask_token", "mask_token_id is missing; vLLM requires it (pard_token)", "mask_token_id")
 
-    # -- tensor set, shapes and dtypes against the algorithm's contract
+
+def _check_tensor_contract(cfg: DraftConfig, exp: dict, shapes: dict[str, tuple[tuple[int, ...], str]],
+                           rep: Report) -> None:
+    """The tensor set, shapes and dtypes against the algorithm's contract (``exp``: its
+    :func:`~bridge.contract.expected_tensors`)."""
+    algo = cfg.speculators_model_type
     opened = open_prefixes(cfg)
     for n, spec in exp.items():
         if spec.required and n not in shapes:
@@ -197,7 +216,11 @@ def check_config(cfg: DraftConfig, shapes: dict[str, tuple[tuple[int, ...], str]
             rep.error("tensors.dtype", f"tensor {n!r} has dtype {tag}; expected a floating dtype "
                                        f"({', '.join(sorted(FLOAT_TAGS))})", n)
 
-    # -- aux ids
+
+def _check_aux_ids(cfg: DraftConfig, rep: Report) -> None:
+    """The aux hidden-state layer ids: their own problems, an EAGLE-3 draft without them, and
+    DFlash's offset between speculators and vLLM."""
+    algo = cfg.speculators_model_type
     ids = cfg.aux_layer_ids
     for rule, key, msg in aux_id_problems(cfg):
         rep.error(rule, msg, key)
@@ -210,7 +233,12 @@ def check_config(cfg: DraftConfig, shapes: dict[str, tuple[tuple[int, ...], str]
                  f"(z-lab indexing, vLLM PR #40727) while speculators reads hidden_states[{ids}] directly; both name "
                  "the same layers only if the engine applies that offset", _aux_key(cfg))
 
-    # -- keys whose absence means different things to speculators and vLLM
+
+def _check_ambiguous_keys(cfg: DraftConfig, rep: Report) -> None:
+    """Keys whose absence (or value) means different things to speculators and vLLM."""
+    lc = cfg.layer
+    algo = cfg.speculators_model_type
+    raw = cfg._raw or {}
     if isinstance(cfg, Eagle3Config) and "norm_before_residual" not in raw:
         if isinstance(cfg, PEagleConfig):
             rep.warn("norm_before_residual.absent", "norm_before_residual is absent: speculators reads False and vLLM's "
@@ -234,7 +262,9 @@ def check_config(cfg: DraftConfig, shapes: dict[str, tuple[tuple[int, ...], str]
             rep.warn("sample_from_anchor.absent", f"sample_from_anchor is absent; speculators reads "
                      f"{cfg.sample_from_anchor} for {algo}; engines must match it", "sample_from_anchor")
 
-    # -- lossy proposal settings, verifier binding
+
+def _check_proposals_and_binding(cfg: DraftConfig, rep: Report) -> None:
+    """Lossy proposal settings, and a verifier binding that ties the draft to nothing."""
     for i, pm in enumerate(cfg.speculators_config.proposal_methods):
         if pm.verifier_accept_k > 1:
             rep.warn("proposal.lossy", f"verifier_accept_k = {pm.verifier_accept_k} > 1 accepts tokens outside the "

@@ -106,31 +106,11 @@ def parse_header(path: str | os.PathLike, *, file_size: int | None = None, raw: 
     Reads only the header bytes. Raises SafetensorsFormatError naming the file and tensor.
     """
     path = str(path)
-    try:
-        if raw is None:
-            size = regular_file(path, "a safetensors file", SafetensorsFormatError)  # a FIFO would block open()
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise SafetensorsFormatError(f"file is {size} bytes; expected at least 8 (the header length)", path=path)
-                (n,) = struct.unpack("<Q", head)
-                if n > size - 8:
-                    raise SafetensorsFormatError(
-                        f"header length {n} is larger than the file allows ({size - 8} bytes after the length prefix)",
-                        path=path,
-                    )
-                if n > MAX_HEADER_BYTES:
-                    raise SafetensorsFormatError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit", path=path)
-                raw = f.read(n)
-        else:
-            size = file_size
-            n = len(raw)
-    except FileNotFoundError as e:
-        raise CheckpointNotFoundError("safetensors file does not exist", path=path) from e
-    except IsADirectoryError as e:
-        raise SafetensorsFormatError("expected a safetensors file, found a directory", path=path) from e
-    except PermissionError as e:
-        raise SafetensorsFormatError(f"cannot read file: {e.strerror}", path=path) from e
+    if raw is None:
+        raw, n, size = _read_header_bytes(path)
+    else:
+        size = file_size
+        n = len(raw)
     header = loads_bounded(raw, path=path, what="header", error=SafetensorsFormatError, hook=_no_duplicate_keys(path))
     if not isinstance(header, dict):
         raise SafetensorsFormatError(f"header is a JSON {type(header).__name__}; expected an object", path=path)
@@ -141,44 +121,77 @@ def parse_header(path: str | os.PathLike, *, file_size: int | None = None, raw: 
         raise SafetensorsFormatError("__metadata__ must be an object of string -> string", path=path, key="__metadata__")
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
-        if not isinstance(entry, dict):
-            raise SafetensorsFormatError(f"tensor {name!r}: entry is {type(entry).__name__}; expected an object", path=path, key=name)
-        missing = {"dtype", "shape", "data_offsets"} - set(entry)
-        if missing:
-            raise SafetensorsFormatError(f"tensor {name!r}: entry lacks {sorted(missing)}", path=path, key=name)
-        tag = entry["dtype"]
-        if not isinstance(tag, str) or tag not in DTYPES:
-            raise SafetensorsFormatError(
-                f"tensor {name!r}: unknown dtype {tag!r}; expected one of {sorted(DTYPES)}", path=path, key=name
-            )
-        shape = entry["shape"]
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise SafetensorsFormatError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative ints", path=path, key=name)
-        offs = entry["data_offsets"]
-        if (
-            not isinstance(offs, list)
-            or len(offs) != 2
-            or not all(type(o) is int and o >= 0 for o in offs)
-            or offs[0] > offs[1]
-        ):
-            raise SafetensorsFormatError(
-                f"tensor {name!r}: data_offsets {offs!r}; expected [begin, end] with 0 <= begin <= end", path=path, key=name
-            )
-        b, e = offs
-        if e > data_len:
-            raise SafetensorsFormatError(
-                f"tensor {name!r}: data_offsets [{b}, {e}] run past the data buffer ({data_len} bytes)", path=path, key=name
-            )
-        want = math.prod(shape) * DTYPES[tag].itemsize
-        if e - b != want:
-            raise SafetensorsFormatError(
-                f"tensor {name!r}: shape {shape} x {tag} needs {want} bytes but data_offsets span {e - b}",
-                path=path,
-                key=name,
-            )
-        tensors[name] = TensorInfo(name, tag, tuple(shape), b, e, path)
+        tensors[name] = _tensor_info(path, name, entry, data_len)
     check_coverage(tensors, data_len, path)
     return tensors, metadata, data_start
+
+
+def _read_header_bytes(path: str) -> tuple[bytes, int, int]:
+    """The header bytes of a file on disk, with their length and the file's size: refuses a
+    length prefix the file or :data:`MAX_HEADER_BYTES` cannot hold, and names the file when it
+    is missing, a directory or unreadable."""
+    try:
+        size = regular_file(path, "a safetensors file", SafetensorsFormatError)  # a FIFO would block open()
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SafetensorsFormatError(f"file is {size} bytes; expected at least 8 (the header length)", path=path)
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise SafetensorsFormatError(
+                    f"header length {n} is larger than the file allows ({size - 8} bytes after the length prefix)",
+                    path=path,
+                )
+            if n > MAX_HEADER_BYTES:
+                raise SafetensorsFormatError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit", path=path)
+            return f.read(n), n, size
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError("safetensors file does not exist", path=path) from e
+    except IsADirectoryError as e:
+        raise SafetensorsFormatError("expected a safetensors file, found a directory", path=path) from e
+    except PermissionError as e:
+        raise SafetensorsFormatError(f"cannot read file: {e.strerror}", path=path) from e
+
+
+def _tensor_info(path: str, name: str, entry, data_len: int) -> TensorInfo:
+    """One header entry as a :class:`TensorInfo`, once its dtype, shape and data offsets are valid
+    and the offsets span exactly the bytes the shape and dtype need, inside the data buffer."""
+    if not isinstance(entry, dict):
+        raise SafetensorsFormatError(f"tensor {name!r}: entry is {type(entry).__name__}; expected an object", path=path, key=name)
+    missing = {"dtype", "shape", "data_offsets"} - set(entry)
+    if missing:
+        raise SafetensorsFormatError(f"tensor {name!r}: entry lacks {sorted(missing)}", path=path, key=name)
+    tag = entry["dtype"]
+    if not isinstance(tag, str) or tag not in DTYPES:
+        raise SafetensorsFormatError(
+            f"tensor {name!r}: unknown dtype {tag!r}; expected one of {sorted(DTYPES)}", path=path, key=name
+        )
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise SafetensorsFormatError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative ints", path=path, key=name)
+    offs = entry["data_offsets"]
+    if (
+        not isinstance(offs, list)
+        or len(offs) != 2
+        or not all(type(o) is int and o >= 0 for o in offs)
+        or offs[0] > offs[1]
+    ):
+        raise SafetensorsFormatError(
+            f"tensor {name!r}: data_offsets {offs!r}; expected [begin, end] with 0 <= begin <= end", path=path, key=name
+        )
+    b, e = offs
+    if e > data_len:
+        raise SafetensorsFormatError(
+            f"tensor {name!r}: data_offsets [{b}, {e}] run past the data buffer ({data_len} bytes)", path=path, key=name
+        )
+    want = math.prod(shape) * DTYPES[tag].itemsize
+    if e - b != want:
+        raise SafetensorsFormatError(
+            f"tensor {name!r}: shape {shape} x {tag} needs {want} bytes but data_offsets span {e - b}",
+            path=path,
+            key=name,
+        )
+    return TensorInfo(name, tag, tuple(shape), b, e, path)
 
 
 def check_coverage(tensors: Mapping[str, "TensorInfo"], data_len: int | None, path: str) -> None:

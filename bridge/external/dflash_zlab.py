@@ -87,12 +87,8 @@ def _split_fused(src: Source, body: list[str], layer: dict, fc_width: int, notes
     return out
 
 
-def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
-    opts = resolve_options(KIND, OPTIONS, options)
-    sc = src.config
-    cfg_path = str(src.path / "config.json")
-    if sc is None:
-        raise ExternalSourceError("z-lab DFlash source has no config.json", path=cfg_path)
+def _block_settings(sc: dict, cfg_path: str) -> tuple[dict, int, int]:
+    """``dflash_config``, the block size (top level first) and the mask token: all three must be there."""
     dflash = sc.get("dflash_config") or {}
     if not isinstance(dflash, dict):
         raise ExternalSourceError(f"dflash_config is a {type(dflash).__name__}; expected an object", path=cfg_path,
@@ -109,6 +105,11 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
     if mask is None:
         raise ExternalSourceError("no dflash_config.mask_token_id; the block drafter cannot run without it",
                                   path=cfg_path, key="dflash_config.mask_token_id")
+    return dflash, block_size, mask
+
+
+def _transformer_keys(sc: dict, verifier: Verifier, cfg_path: str) -> dict:
+    """The source config minus the DFlash-only keys, once it has a vocabulary and the verifier's width."""
     transformer = {k: v for k, v in sc.items() if k not in NON_TRANSFORMER_KEYS}
     if "vocab_size" not in transformer:
         raise ExternalSourceError("no vocab_size in the source config", path=cfg_path, key="vocab_size")
@@ -117,8 +118,13 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
         raise ExternalSourceError(f"source hidden_size {sh} != verifier hidden_size {vh} "
                                   f"({verifier.path}/config.json); the draft reads the verifier's hidden states",
                                   path=cfg_path, key="hidden_size")
-    notes: list[str] = []
-    aux = opts["aux_hidden_state_layer_ids"]
+    return transformer
+
+
+def _aux_ids(aux, dflash: dict, verifier: Verifier, cfg_path: str, notes: list[str]):
+    """The aux ids: the caller's, else z-lab's ``target_layer_ids`` + 1 without the verifier's final
+    layer. Returns ``(aux, target_layer_ids, num_verifier_layers)``; the last two are None when
+    the caller gave the ids."""
     tl, n = None, None
     if aux is None:
         tl = dflash.get("target_layer_ids")
@@ -135,20 +141,12 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
         notes.append(f"aux ids {aux} = z-lab target_layer_ids {list(tl)} + 1"
                      + (f", final layer {n} dropped (it arrives as verifier_last_hidden_states)"
                         if len(aux) != len(tl) else ""))
-    resolved = {"aux_hidden_state_layer_ids": list(aux), "block_size": block_size, "mask_token_id": mask}
+    return aux, tl, n
 
-    layer, exact = layer_config_dict(transformer.get("model_type", "qwen3"), transformer)
-    if not exact:
-        notes.append(f"transformer_layer_config model_type {layer['model_type']!r} is outside specjax's transformers "
-                     "tables: the source keys are kept as written (no class defaults added)")
-    config = config_doc(
-        ALGORITHM, layer, dtype="float32", speculative_tokens=block_size - 1,
-        verifier=verifier, architectures=verifier.get("architectures", []), aux_layer_ids=list(aux),
-        block_size=block_size, draft_vocab_size=transformer["vocab_size"], mask_token_id=mask,
-        sample_from_anchor=False, sliding_window_non_causal=False, target_hidden_size=None,
-    )
-    typed = parse_config(config, path=cfg_path)
-    exp = expected_tensors(typed)
+
+def _body_arrays(src: Source, exp: dict, layer: dict, aux, tl, n, notes: list[str]) -> dict:
+    """The draft body read from the source (fused projections split), refused unless its tensor set
+    and shapes are the contract's (``exp``) for this config."""
     A, H = len(aux), layer["hidden_size"]
     body = sorted(k for k in src.names if k not in ("t2d", "d2t"))
     getters = _split_fused(src, body, layer, A * H, notes)
@@ -165,7 +163,7 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
     for k, a in arrays.items():
         if tuple(a.shape) != exp[k].shape:
             why = f"from the source config, {A} aux ids x hidden {H}"
-            if k == "fc.weight" and opts["aux_hidden_state_layer_ids"] is None and len(aux) < len(tl):
+            if k == "fc.weight" and tl is not None and len(aux) < len(tl):
                 why += (f"; the final-layer target id {n - 1} became aux id {n} and was dropped (speculators feeds "
                         "the final layer separately), but fc still has its columns: speculators 0.9.0 cannot load "
                         "this draft either (it slices fc only for fused-qkv sources)")
@@ -173,6 +171,34 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
                                       f"({why})", path=src.weights, key=k)
     if not arrays:
         raise ExternalSourceError("source has no DFlash body tensors", path=src.weights)
+    return arrays
+
+
+def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
+    """The speculators dflash config and tensors for a z-lab DFlash source."""
+    opts = resolve_options(KIND, OPTIONS, options)
+    sc = src.config
+    cfg_path = str(src.path / "config.json")
+    if sc is None:
+        raise ExternalSourceError("z-lab DFlash source has no config.json", path=cfg_path)
+    dflash, block_size, mask = _block_settings(sc, cfg_path)
+    transformer = _transformer_keys(sc, verifier, cfg_path)
+    notes: list[str] = []
+    aux, tl, n = _aux_ids(opts["aux_hidden_state_layer_ids"], dflash, verifier, cfg_path, notes)
+    resolved = {"aux_hidden_state_layer_ids": list(aux), "block_size": block_size, "mask_token_id": mask}
+
+    layer, exact = layer_config_dict(transformer.get("model_type", "qwen3"), transformer)
+    if not exact:
+        notes.append(f"transformer_layer_config model_type {layer['model_type']!r} is outside specjax's transformers "
+                     "tables: the source keys are kept as written (no class defaults added)")
+    config = config_doc(
+        ALGORITHM, layer, dtype="float32", speculative_tokens=block_size - 1,
+        verifier=verifier, architectures=verifier.get("architectures", []), aux_layer_ids=list(aux),
+        block_size=block_size, draft_vocab_size=transformer["vocab_size"], mask_token_id=mask,
+        sample_from_anchor=False, sliding_window_non_causal=False, target_hidden_size=None,
+    )
+    typed = parse_config(config, path=cfg_path)
+    arrays = _body_arrays(src, expected_tensors(typed), layer, aux, tl, n, notes)
     dtype = arrays[next(iter(arrays))].dtype  # speculators: dtype of the first body tensor
     keep = {k: cast(a, dtype) for k, a in arrays.items() if k not in VERIFIER_FILLED}
     skipped = sorted(set(arrays) - set(keep))

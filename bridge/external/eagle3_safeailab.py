@@ -53,13 +53,9 @@ def _source_name(name: str) -> str:
     return PREFIX + name[len("layers.0."):] if name.startswith("layers.0.") else name
 
 
-def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
-    opts = resolve_options(KIND, OPTIONS, options)
-    ec = src.config
-    if ec is None:
-        raise ExternalSourceError("SafeAILab EAGLE-3 source has no config.json (it defines the draft layer)",
-                                  path=str(src.path / "config.json"))
-    notes: list[str] = []
+def _vocab(src: Source, verifier: Verifier) -> tuple[bool, int]:
+    """Whether the source prunes the vocabulary (it has ``t2d``), and the verifier vocabulary size:
+    ``t2d``'s length, else the verifier config's."""
     reduce_vocab = src.has("t2d")
     if reduce_vocab:
         vocab = src.shape("t2d")[0]
@@ -68,6 +64,12 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
         if vocab is None:
             raise ExternalSourceError("no t2d in the source and no vocab_size in the verifier config",
                                       path=str(verifier.path / "config.json"), key="vocab_size")
+    return reduce_vocab, vocab
+
+
+def _weights_dtype(src: Source, ec: dict, notes: list[str]):
+    """The float dtype the weights are written in: the source config's ``torch_dtype``, float32
+    without one (speculators reads no other key). Returns ``(torch_dtype, weights_dtype)``."""
     torch_dtype = ec.get("torch_dtype")
     if torch_dtype is None:
         weights_dtype = DTYPE_NAMES["float32"]
@@ -79,7 +81,12 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
     else:
         raise ExternalSourceError(f"torch_dtype {torch_dtype!r} is not a float dtype; expected one of "
                                   f"{sorted(DTYPE_NAMES)}", path=str(src.path / "config.json"), key="torch_dtype")
+    return torch_dtype, weights_dtype
 
+
+def _layer(ec: dict, verifier: Verifier, vocab: int, torch_dtype) -> dict:
+    """The draft layer as speculators builds it: a ``LlamaConfig`` from the EAGLE config with its
+    fallbacks, the longer of the draft's and verifier's context."""
     kw = dict(
         vocab_size=vocab, hidden_size=ec.get("hidden_size", 4096), intermediate_size=ec.get("intermediate_size", 11008),
         num_hidden_layers=ec.get("num_hidden_layers", 1), num_attention_heads=ec.get("num_attention_heads", 32),
@@ -93,13 +100,45 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
     if torch_dtype is not None:
         kw["dtype"] = torch_dtype
     layer, _ = layer_config_dict("llama", kw)
+    return layer
 
+
+def _flags(opts: dict, ec: dict) -> tuple[dict, dict]:
+    """The norm flags (the caller's OR-ed with the EAGLE config's; norm_before_fc and fc_norm
+    exclusive). Returns ``(flags, resolved options)``."""
     flags = {k: opts[k] or bool(ec.get(k, False)) for k in ("norm_before_fc", "fc_norm", "norm_output")}
     if flags["norm_before_fc"] and flags["fc_norm"]:
         raise ExternalSourceError("norm_before_fc and fc_norm are mutually exclusive (speculators' config "
                                   "validator); check the options and the source config", key="fc_norm")
     resolved = {"norm_before_residual": opts["norm_before_residual"], **flags,
                 "eagle_aux_hidden_state_layer_ids": opts["eagle_aux_hidden_state_layer_ids"]}
+    return flags, resolved
+
+
+def _wanted(src: Source, exp: dict, reduce_vocab: bool) -> dict:
+    """The legacy module's tensors, name -> the shape the tensor contract gives for this config;
+    t2d/d2t only where the source has them (deviation, bridge/external/__init__.py: the optional
+    norms the flags need are kept, as the contract lists them)."""
+    names = [n for n, spec in exp.items() if spec.required and n not in ("t2d", "d2t")]
+    if src.has("embed_tokens.weight"):
+        names.append("embed_tokens.weight")
+    if reduce_vocab:
+        names += ["d2t", "t2d"]
+    return {n: exp[n].shape if n in exp else None for n in names}  # None: not in the contract, refused on save
+
+
+def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
+    """The speculators eagle3 config and tensors for a SafeAILab EAGLE-3 source."""
+    opts = resolve_options(KIND, OPTIONS, options)
+    ec = src.config
+    if ec is None:
+        raise ExternalSourceError("SafeAILab EAGLE-3 source has no config.json (it defines the draft layer)",
+                                  path=str(src.path / "config.json"))
+    notes: list[str] = []
+    reduce_vocab, vocab = _vocab(src, verifier)
+    torch_dtype, weights_dtype = _weights_dtype(src, ec, notes)
+    layer = _layer(ec, verifier, vocab, torch_dtype)
+    flags, resolved = _flags(opts, ec)
 
     Vd = ec.get("draft_vocab_size", 32000)
     config = config_doc(
@@ -110,16 +149,7 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
         norm_before_residual=resolved["norm_before_residual"], norm_output=flags["norm_output"],
         target_hidden_size=ec.get("target_hidden_size"),
     )
-    # the legacy module's tensors, with the shapes the tensor contract gives for this config;
-    # t2d/d2t only where the source has them (deviation, bridge/external/__init__.py: the
-    # optional norms the flags need are kept, as the contract lists them)
-    exp = expected_tensors(parse_config(config, path=str(src.path / "config.json")))
-    names = [n for n, spec in exp.items() if spec.required and n not in ("t2d", "d2t")]
-    if src.has("embed_tokens.weight"):
-        names.append("embed_tokens.weight")
-    if reduce_vocab:
-        names += ["d2t", "t2d"]
-    want = {n: exp[n].shape if n in exp else None for n in names}  # None: not in the contract, refused on save
+    want = _wanted(src, expected_tensors(parse_config(config, path=str(src.path / "config.json"))), reduce_vocab)
     require(src, want, shown=_source_name, kind="SafeAILab EAGLE-3")
     if Vd != vocab and not reduce_vocab:
         raise ExternalSourceError(f"draft_vocab_size {Vd} != verifier vocab_size {vocab} but the source has no t2d: "

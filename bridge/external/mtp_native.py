@@ -91,13 +91,8 @@ def fuse_experts(weights: dict[str, np.ndarray], where: str) -> dict[str, np.nda
     return out
 
 
-def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
-    opts = resolve_options(KIND, OPTIONS, options)
-    keys = [k for k in src.names if k.startswith(PREFIX)]
-    if not keys:
-        raise ExternalSourceError(f"no tensors with prefix {PREFIX!r}; --from mtp needs a checkpoint with native MTP "
-                                  "layers (e.g. Qwen3-Next, Qwen3.5)", path=src.weights, key=PREFIX)
-    cfg_path = str(src.path / "config.json")
+def _text_config(src: Source, verifier: Verifier, cfg_path: str) -> dict:
+    """The source's text config (``text_config`` of a multimodal wrapper), once its width matches the verifier's."""
     if src.config is None:
         raise ExternalSourceError("source has no config.json (the MTP layer is defined by the model's own config)",
                                   path=cfg_path)
@@ -108,6 +103,44 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
     if sh and vh and sh != vh:
         raise ExternalSourceError(f"source hidden_size {sh} != verifier hidden_size {vh} "
                                   f"({verifier.path}/config.json)", path=cfg_path, key="hidden_size")
+    return sc
+
+
+def _shown(n: str) -> str:
+    """The source name of a renamed MTP tensor, for messages."""
+    return HEAD.get(n, "mtp.layers.0." + n[len("mtp_layers.0."):] if n.startswith("mtp_layers.0.") else n)
+
+
+def _check_tensor_set(src: Source, weights: dict[str, np.ndarray], typed, model_type: str) -> None:
+    """Refuse a renamed tensor set that is not one speculators MTP layer: missing or stray tensors,
+    and (for the family the contract enumerates) shapes other than the contract's."""
+    missing = [HEAD[n] for n in HEAD if n not in weights]
+    stray = sorted(k for k in weights if not k.startswith("mtp_layers.0."))
+    if model_type == "qwen3":  # the only family whose layer the contract enumerates
+        exp = {n: s for n, s in expected_tensors(typed).items() if n.startswith("mtp_layers.0.")}
+        missing = [_shown(n) for n in exp if n not in weights]
+        stray = sorted(k for k in weights if k not in exp)
+        for n, a in weights.items():
+            if n in exp and tuple(a.shape) != exp[n].shape:
+                raise ExternalSourceError(f"tensor {_shown(n)!r} has shape {list(a.shape)}; expected "
+                                          f"{list(exp[n].shape)}", path=src.weights, key=_shown(n))
+    if missing:
+        raise ExternalSourceError(f"{len(missing)} MTP tensor(s) are missing from the source: {missing[:8]}",
+                                  path=src.weights, key=missing[0])
+    if stray:
+        raise ExternalSourceError(f"{len(stray)} mtp.* tensor(s) do not map into the single speculators MTP layer "
+                                  f"(after renaming): {stray[:8]}", path=src.weights, key=stray[0])
+
+
+def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
+    """The speculators mtp config and tensors for the native MTP head inside a verifier checkpoint."""
+    opts = resolve_options(KIND, OPTIONS, options)
+    keys = [k for k in src.names if k.startswith(PREFIX)]
+    if not keys:
+        raise ExternalSourceError(f"no tensors with prefix {PREFIX!r}; --from mtp needs a checkpoint with native MTP "
+                                  "layers (e.g. Qwen3-Next, Qwen3.5)", path=src.weights, key=PREFIX)
+    cfg_path = str(src.path / "config.json")
+    sc = _text_config(src, verifier, cfg_path)
     model_type = sc.get("model_type", "qwen2")  # MTPSpeculatorConfig builds a Qwen2Config without model_type
     if model_type not in SUPPORTED:
         raise ExternalSourceError(f"unsupported MTP model type {model_type!r}; speculators 0.9.0 has MTP layers for "
@@ -129,26 +162,7 @@ def plan(src: Source, verifier: Verifier, options: dict) -> Plan:
                         speculative_tokens=opts["num_speculative_steps"], verifier=verifier,
                         architectures=verifier.get("architectures", []), num_nextn_predict_layers=1)
     typed = parse_config(config, path=cfg_path)
-
-    def shown(n):
-        return HEAD.get(n, "mtp.layers.0." + n[len("mtp_layers.0."):] if n.startswith("mtp_layers.0.") else n)
-
-    missing = [HEAD[n] for n in HEAD if n not in weights]
-    stray = sorted(k for k in weights if not k.startswith("mtp_layers.0."))
-    if model_type == "qwen3":  # the only family whose layer the contract enumerates
-        exp = {n: s for n, s in expected_tensors(typed).items() if n.startswith("mtp_layers.0.")}
-        missing = [shown(n) for n in exp if n not in weights]
-        stray = sorted(k for k in weights if k not in exp)
-        for n, a in weights.items():
-            if n in exp and tuple(a.shape) != exp[n].shape:
-                raise ExternalSourceError(f"tensor {shown(n)!r} has shape {list(a.shape)}; expected "
-                                          f"{list(exp[n].shape)}", path=src.weights, key=shown(n))
-    if missing:
-        raise ExternalSourceError(f"{len(missing)} MTP tensor(s) are missing from the source: {missing[:8]}",
-                                  path=src.weights, key=missing[0])
-    if stray:
-        raise ExternalSourceError(f"{len(stray)} mtp.* tensor(s) do not map into the single speculators MTP layer "
-                                  f"(after renaming): {stray[:8]}", path=src.weights, key=stray[0])
+    _check_tensor_set(src, weights, typed, model_type)
     tensors = {k: cast(a, dtype) if is_float(a.dtype) else a for k, a in weights.items()}
     notes.append(f"read {len(keys)} mtp.* tensor(s) of {len(src.names)} in the source; wrote {len(tensors)}")
     return Plan(config, tensors, dict(opts), notes)
