@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -55,20 +56,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from bridge.atomic import atomic_file
 from specjax.models.drafts.registry import draft_class
-from specjax.train import algorithms
+from specjax.models.loading import LoadedTarget
+from specjax.sharding import batch_divisor, batch_sharding, describe, is_main_process, make_mesh, sync
+from specjax.sharding.placement import Placement
+from specjax.train import algorithms, sharded
 from specjax.train.config import TrainConfig
-from specjax.train.errors import DatasetError, HiddenStateCacheError, ResumeError, TrainError
+from specjax.train.dataset import split_indices
+from specjax.train.draft_doc import draft_config_doc
+from specjax.train.errors import DatasetError, HiddenStateCacheError, TrainError
+from specjax.train.export import export_draft, init_draft
 from specjax.train.feed import Prefetch, TrainData
-from specjax.train.metric_sinks import open_sinks
-from specjax.train.hidden_states import cache_layer_ids, default_aux_layer_ids, verify_cache
+from specjax.train.hidden_states import DTYPES as HS_DTYPES, cache_layer_ids, default_aux_layer_ids, verify_cache
+from specjax.train.metric_sinks import check_available, open_sinks
 from specjax.train.objectives import normalize_metrics
+from specjax.train.online import OnlineStates
 from specjax.train.optim import build_optimizer, resolve_schedule_steps
+from specjax.train.pipeline import load_data_dir, needs_prepare, prepare_data, recipe_data_spec, recipe_prompts
+from specjax.train.run_files import (
+    PARALLEL_KEY,
+    TargetInfo, check_output_dir, checkpoint_manager, keep_metrics_through, partial_saves, restore_state, save_state,
+    target_info_if_light,
+)
 from specjax.train.step import device_batch, make_step_fns
+from specjax.train.vocab import (
+    TOKEN_FREQ_NAME, build_vocab_mapping, load_token_freq, load_vocab_mapping, save_vocab_mapping, token_frequencies,
+)
 
-PARALLEL_KEY = "_parallel"  # resume.json: rows per step and the mesh of the run
 FROZEN = ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm")
 
 
@@ -96,9 +113,6 @@ class Run:
     def __init__(self, cfg: TrainConfig, *, target=None, mesh=None, data_parallel: int | None = None,
                  resume: bool = False, overwrite: bool = False, progress: bool = True,
                  log: Callable[[str], None] | None = None, log_to: list[str] | None = None):
-        from specjax.sharding import batch_divisor, describe, is_main_process, make_mesh
-        from specjax.train.metric_sinks import check_available
-
         self.cfg = cfg
         self.algorithm = algorithms.get(cfg.speculator_type)(cfg)  # everything algorithm-specific
         self.main = is_main_process()
@@ -106,6 +120,26 @@ class Run:
         self.progress = progress and self.main
         self.out = Path(cfg.trainer.output_dir)
         self.resume = resume
+        self._parallel(mesh, data_parallel)
+        self.log_to = list(dict.fromkeys(["jsonl", *(log_to or [])]))  # metrics.jsonl always: resume reads it
+        check_available(self.log_to)
+        self._check_output(resume, overwrite)
+        records = None
+        if cfg.data.prepare is not None and needs_prepare(cfg):
+            records = recipe_prompts(cfg)  # a bad prompt input fails here, before the target loads
+        self.target = target = self._target(target)
+        n = target.config.num_hidden_layers
+        self.aux = list(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else default_aux_layer_ids(n)
+        self.layer_ids = cache_layer_ids(self.aux, n)
+        ddir = Path(cfg.data.path)
+        rows = self._data(ddir, records)
+        tr = self._feeds(ddir, rows)
+        Vd = self._vocabulary(ddir, rows)
+        self.config_doc = draft_config_doc(cfg, target, aux_layer_ids=self.aux, draft_vocab_size=Vd)
+        self._schedule(ddir, len(tr))
+
+    def _parallel(self, mesh, data_parallel: int | None) -> None:
+        """The mesh and the packed rows per step (a positive multiple of data x fsdp)."""
         self.mesh = None if mesh is None else make_mesh(mesh)
         self.mesh_desc = describe(self.mesh) if self.mesh is not None else "1 device (no mesh)"
         div = batch_divisor(self.mesh) if self.mesh is not None else 1
@@ -114,42 +148,31 @@ class Run:
             raise TrainError(f"data_parallel={data_parallel}: the rows per step must be a positive multiple of data x "
                              f"fsdp = {div} on {self.mesh_desc}", key="data_parallel")
         self.replicas = n
-        self.log_to = list(dict.fromkeys(["jsonl", *(log_to or [])]))  # metrics.jsonl always: resume reads it
-        check_available(self.log_to)
-        self._check_output(resume, overwrite)
-        from specjax.train.pipeline import needs_prepare, recipe_prompts
 
-        records = None
-        if cfg.data.prepare is not None and needs_prepare(cfg):
-            records = recipe_prompts(cfg)  # a bad prompt input fails here, before the target loads
-        from specjax.models.loading import LoadedTarget
-
+    def _target(self, target):
+        """The target as the run needs it: given, only its config and tokenizer (cached data and an HF
+        checkpoint: no weights on the device), or loaded (on a mesh: straight into its shardings)."""
+        cfg = self.cfg
         if target is None and not needs_prepare(cfg) and not self.algorithm.reads_target_layers \
                 and not cfg.data.online:
             target = target_info_if_light(cfg.target)  # data cached: no target weights on the device
-        if target is None:  # on a mesh: straight into its shardings (TARGET_RULES), no full copy on one device
-            from specjax.sharding.placement import Placement
-
-            target = Placement(self.mesh).load_target(cfg.target, progress=self.progress)
-        elif not isinstance(target, (LoadedTarget, TargetInfo)):
+        if target is None:
+            return Placement(self.mesh).load_target(cfg.target, progress=self.progress)
+        if not isinstance(target, (LoadedTarget, TargetInfo)):
             raise TrainError("target must be a LoadedTarget")
-        self.target = target
-        tc = target.config
-        algo = cfg.speculator_type
-        n = tc.num_hidden_layers
-        self.aux = list(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else default_aux_layer_ids(n)
-        self.layer_ids = cache_layer_ids(self.aux, n)
-        # ---- data
-        from specjax.train.pipeline import load_data_dir, prepare_data, recipe_data_spec
+        return target
 
-        ddir = Path(cfg.data.path)
+    def _data(self, ddir: Path, records):
+        """The tokenized rows (prepared first when the recipe says how), checked against the target."""
+        cfg, tc = self.cfg, self.target.config
+        n = tc.num_hidden_layers
         if not (ddir / "state.json").is_file():
             if cfg.data.prepare is None:
                 raise DatasetError("no tokenized dataset here; run `specjax data prepare` or give data.prepare in the "
                                    "recipe", path=str(ddir))
-            spec = recipe_data_spec(cfg, n)
             self.log(f"preparing data in {ddir}")
-            prepare_data(ddir, spec, target, progress=progress, log=self.log, records=records)
+            prepare_data(ddir, recipe_data_spec(cfg, n), self.target, progress=self.progress, log=self.log,
+                         records=records)
         rows, meta = load_data_dir(ddir)
         self.data_meta = meta
         if meta:
@@ -165,58 +188,58 @@ class Run:
             if int(rows.input_ids[i].max(initial=0)) >= tc.vocab_size:
                 raise DatasetError(f"row {i} has token id {int(rows.input_ids[i].max())} >= the target vocabulary "
                                    f"({tc.vocab_size})", path=str(ddir), key="input_ids")
+        return rows
+
+    def _feeds(self, ddir: Path, rows):
+        """Where hidden states come from (the cache, checked, or the target online) and the train /
+        validation feeds. Returns the train split's indices."""
+        cfg, tc = self.cfg, self.target.config
         self.online = None
         if cfg.data.online:  # the target computes each row's hidden states as training reads it
-            from specjax.train.hidden_states import DTYPES
-            from specjax.train.online import OnlineStates
-
-            self.online = OnlineStates(target.model, self.layer_ids, jnp.dtype(DTYPES[cfg.data.hidden_states_dtype]),
-                                       mesh=self.mesh)
+            self.online = OnlineStates(self.target.model, self.layer_ids,
+                                       jnp.dtype(HS_DTYPES[cfg.data.hidden_states_dtype]), mesh=self.mesh)
         else:
-            verify_cache(rows, ddir, aux_layer_ids=self.aux, num_layers=n, hidden_size=tc.hidden_size,
-                         sample=min(len(rows), 64))
-        from specjax.train.dataset import split_indices
-
+            verify_cache(rows, ddir, aux_layer_ids=self.aux, num_layers=tc.num_hidden_layers,
+                         hidden_size=tc.hidden_size, sample=min(len(rows), 64))
         tr, va = split_indices(len(rows), cfg.data.train_data_ratio)
         if len(tr) == 0:
             raise DatasetError(f"the train split is empty ({len(rows)} rows, train_data_ratio "
                                f"{cfg.data.train_data_ratio})", path=str(ddir), key="train_data_ratio")
-        mk = dict(algo=algo, num_aux=len(self.aux), hidden_size=tc.hidden_size, total_seq_len=cfg.data.total_seq_len,
-                  seed=cfg.seed, online=self.online)
+        mk = dict(algo=cfg.speculator_type, num_aux=len(self.aux), hidden_size=tc.hidden_size,
+                  total_seq_len=cfg.data.total_seq_len, seed=cfg.seed, online=self.online)
         self.train_data = TrainData(ddir, rows, tr, replicas=self.replicas,
                                     prompt_loss=cfg.data.prompt_loss, **mk)
         self.val_data = TrainData(ddir, rows, va, **mk) if len(va) else None  # packed as on one device
-        # ---- vocabulary
-        V = tc.vocab_size
-        Vd = cfg.draft.draft_vocab_size or V
+        return tr
+
+    def _vocabulary(self, ddir: Path, rows) -> int:
+        """The draft vocabulary size; for a pruned one, t2d / d2t (read from the data directory, else
+        built from the token counts, the same on every process; process 0 writes them)."""
+        V = self.target.config.vocab_size
+        Vd = self.cfg.draft.draft_vocab_size or V
         if Vd > V:
             raise TrainError(f"draft.draft_vocab_size {Vd} is larger than the target vocabulary ({V})",
                              key="draft.draft_vocab_size")
-        self.algorithm.check_target(target, Vd)  # before any vocabulary work (MTP has none)
+        self.algorithm.check_target(self.target, Vd)  # before any vocabulary work (MTP has none)
         self.t2d = self.d2t = None
         if Vd != V:
-            from specjax.train.vocab import (
-                TOKEN_FREQ_NAME, build_vocab_mapping, load_token_freq, load_vocab_mapping, save_vocab_mapping,
-                token_frequencies,
-            )
-
             got = load_vocab_mapping(ddir, Vd, V)
             if got is None:
                 fp = ddir / TOKEN_FREQ_NAME
                 freq = load_token_freq(fp) if fp.is_file() else token_frequencies(rows)
-                got = build_vocab_mapping(freq, Vd, V)  # the same on every process; process 0 writes it
+                got = build_vocab_mapping(freq, Vd, V)
                 if self.main:
                     save_vocab_mapping(ddir, *got)
             self.d2t, self.t2d = got
-        # ---- draft
-        from specjax.train.draft_doc import draft_config_doc
+        return Vd
 
-        self.config_doc = draft_config_doc(cfg, target, aux_layer_ids=self.aux, draft_vocab_size=Vd)
-        # ---- schedule
+    def _schedule(self, ddir: Path, n_train: int) -> None:
+        """Steps per epoch, the run's real step count and the LR schedule's span."""
+        cfg = self.cfg
         self.steps_per_epoch = len(self.train_data.step_batches(0))
         if self.steps_per_epoch == 0:
             why = "the train split is empty" if self.replicas == 1 else (
-                f"the train split has {len(tr)} rows; {self.replicas} packed rows per step ({self.mesh_desc}) need "
+                f"the train split has {n_train} rows; {self.replicas} packed rows per step ({self.mesh_desc}) need "
                 f"at least {self.replicas}")
             raise DatasetError(f"no training batches ({why})", path=str(ddir))
         # The LR schedule spans epochs x len(epoch 0's loader), as speculators computes it; the loop runs
@@ -231,54 +254,12 @@ class Run:
                                                                warmup_ratio=cfg.scheduler.scheduler_warmup_ratio)
 
     def _check_output(self, resume: bool, overwrite: bool):
-        ck = self.out / "checkpoints"
-        has = ck.is_dir() and any(p.name.isdigit() for p in ck.iterdir())
-        self.resume_from_scratch = False
-        if resume:
-            rj = self.out / "resume.json"
-            if not has:
-                partial = partial_saves(ck)
-                if not (rj.is_file() or partial):
-                    raise ResumeError("--resume: no complete checkpoint in this run directory", path=str(ck))
-                # the run started but was killed before (or during) its first save: its state then is the
-                # initial state, so resuming is starting over (the partial save is removed in train())
-                self.resume_from_scratch = True
-            if rj.is_file():
-                old = json.loads(rj.read_text(encoding="utf-8"))
-                old_n = int(old.pop(PARALLEL_KEY, {}).get("rows_per_step", 1))
-                if old_n != self.replicas:
-                    old_mesh = json.loads(rj.read_text(encoding="utf-8")).get(PARALLEL_KEY, {}).get(
-                        "mesh", "1 device (no mesh)")
-                    raise ResumeError(
-                        f"this run was trained with {old_n} packed row(s) per step on {old_mesh}; resuming on "
-                        f"{self.mesh_desc} gives {self.replicas} (data x fsdp), which changes the data order. Resume on "
-                        f"a mesh whose data x fsdp is {old_n} (or pass data_parallel={old_n}), or start a new "
-                        "trainer.output_dir", path=str(rj), key="data_parallel")
-                new = self.cfg.resume_key()
-                changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-                if changed:
-                    detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
-                    raise ResumeError(f"the recipe changed in a way that breaks resumption ({detail}); resume with the "
-                                      "original recipe or start a new trainer.output_dir", path=str(rj), key=changed[0])
-        elif has or (self.out / "last").exists():
-            if not overwrite:
-                raise TrainError("trainer.output_dir already holds a run; pass --resume to continue it or --overwrite "
-                                 "to start over", path=str(self.out))
-            if self.main:
-                for sub in ("checkpoints", "best", "last", "metrics.jsonl", "summary.json", "resume.json"):
-                    p = self.out / sub
-                    if p.is_dir():
-                        shutil.rmtree(p)
-                    elif p.exists():
-                        p.unlink()
-        from specjax.sharding import sync
-
+        self.resume_from_scratch = check_output_dir(self.out, self.cfg, resume=resume, overwrite=overwrite,
+                                                    replicas=self.replicas, mesh_desc=self.mesh_desc, main=self.main)
         sync("specjax-train-output")  # unconditional: every process reaches it, whatever it saw on disk
 
     # ------------------------------------------------------------------ state
     def build_state(self):
-        from specjax.train.export import init_draft
-
         cfg = self.cfg
         hook = self.algorithm.flat_hook(self.target)
         # the verifier's embedding / head: from the loaded model, else read from its checkpoint files
@@ -298,8 +279,6 @@ class Run:
         if self.mesh is None:
             opt_state = self.tx.init(params)
         else:
-            from specjax.train import sharded
-
             self.shardings = sh = sharded.step_shardings(params, frozen, self.tx, self.mesh)
             params = sharded.place(params, sh.params)
             self.frozen = frozen = sharded.place(frozen, sh.frozen)
@@ -308,8 +287,6 @@ class Run:
         # The step holds the frozen tensors (the verifier's embedding / head) once, in the compute
         # dtype (fns.frozen); their float32 originals go to the host, for exports, instead of
         # staying on the device beside that copy.
-        from specjax.train import sharded
-
         self.frozen = sharded.to_host_tree(frozen)
         del frozen
         return params, opt_state
@@ -320,44 +297,21 @@ class Run:
     def host_model_of(self, params):
         """``model_of`` with host copies when some leaf lives on other processes (a collective:
         every process calls it; exports then happen on process 0)."""
-        from specjax.train import sharded
-
         if not (sharded.needs_gather(params) or sharded.needs_gather(self.frozen)):
             return self.model_of(params)
         return nnx.merge(self.graphdef, sharded.to_host_tree(params), sharded.to_host_tree(self.frozen))
 
     # ------------------------------------------------------------------ checkpoints
     def _manager(self):
-        import orbax.checkpoint as ocp
-
-        opts = ocp.CheckpointManagerOptions(max_to_keep=self.cfg.trainer.keep_checkpoints, create=True,
-                                            enable_async_checkpointing=False)
-        return ocp.CheckpointManager((self.out / "checkpoints").absolute(), options=opts)
+        return checkpoint_manager(self.out / "checkpoints", self.cfg.trainer.keep_checkpoints)
 
     def save(self, mngr, step: int, params, opt_state, extra: dict):
-        import orbax.checkpoint as ocp
-
-        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-                                                meta=ocp.args.JsonSave(extra)), force=True)
-        mngr.wait_until_finished()
+        save_state(mngr, step, {"params": params, "opt_state": opt_state}, extra)
 
     def restore(self, mngr, params, opt_state):
-        import orbax.checkpoint as ocp
-
-        step = mngr.latest_step()
-        if step is None:
-            raise ResumeError("no complete checkpoint to resume from", path=str(self.out / "checkpoints"))
-        state = {"params": params, "opt_state": opt_state}
-        if self.shardings is None:
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        else:
-            from specjax.sharding import abstract_with_shardings
-
-            abstract = abstract_with_shardings(state, {"params": self.shardings.params,
-                                                       "opt_state": self.shardings.opt_state})
-        got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                         meta=ocp.args.JsonRestore()))
-        return step, got["state"]["params"], got["state"]["opt_state"], dict(got["meta"])
+        sh = None if self.shardings is None else {"params": self.shardings.params, "opt_state": self.shardings.opt_state}
+        step, state, meta = restore_state(mngr, {"params": params, "opt_state": opt_state}, sh)
+        return step, state["params"], state["opt_state"], meta
 
     # ------------------------------------------------------------------ validation / export
     def val_steps(self) -> list[tuple[np.ndarray, ...]]:
@@ -378,8 +332,6 @@ class Run:
         if self.shardings is None:
             cat = {k: np.concatenate([rows[r][k] for r in range(self.replicas)]) for k in rows[0]}
             return device_batch(cat, self._rng(step))
-        from specjax.train import sharded
-
         return sharded.global_batch(rows, self.replicas, self.shardings.batch,
                                     np.asarray(jax.random.key_data(self._rng(step))))
 
@@ -388,9 +340,6 @@ class Run:
         """The rows (of the ``N`` per step) this process's devices hold: all of them on one process."""
         if self.mesh is None:
             return list(range(self.replicas))
-        from specjax.sharding import batch_sharding
-        from specjax.train import sharded
-
         return sharded.local_rows(batch_sharding(self.mesh, 2), self.replicas)
 
     def validate(self, params) -> dict | None:
@@ -408,9 +357,6 @@ class Run:
     def export(self, name: str, params, metadata: dict | None = None) -> Path:
         """Write a speculators checkpoint on process 0 (every process must call: gathering the
         params of a multi-process mesh is a collective)."""
-        from specjax.sharding import sync
-        from specjax.train.export import export_draft
-
         model = self.host_model_of(params)
         out = self.out / name
         if self.main:
@@ -441,16 +387,49 @@ class Run:
     def train(self, *, stop_after: int | None = None) -> dict:
         """Train (or resume) to the end. ``stop_after``: return after this many steps of this call
         (tests: simulates a killed run; the last checkpoint is written at that point)."""
-        from tqdm.auto import tqdm
-
-        from specjax.sharding import sync
-
         cfg = self.cfg
-        main = self.main
         t_start = time.perf_counter()
-        if main:
+        if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
         sync("specjax-train-start")
+        params, opt_state, mngr, start, best = self._begin()
+        parallel = {"rows_per_step": self.replicas, "mesh": self.mesh_desc}
+        self._write_run_files(parallel)
+        items = self.schedule_items(start)
+        # TensorBoard drops points at steps > start (the killed run's); the restored step's stay
+        sinks = open_sinks(self.out, self.log_to, config=cfg.model_dump(mode="json"),
+                           resume_step=start + 1 if self.resume else None) if self.main else None
+        bar = tqdm(total=self.total_steps, initial=start, unit="step", desc=f"train {cfg.speculator_type}",
+                   disable=not self.progress, dynamic_ncols=True)
+        lp = _Loop(step=start, best=best, t0=time.perf_counter(), sinks=sinks)
+        build = lambda st: self.host_rows(self.train_data, st)  # noqa: E731
+        for (gstep, b, epoch, end_of_epoch), (_, rows) in zip(
+                items, Prefetch(build, [(it[0], it[1]) for it in items])):
+            tok = sum(self.train_data.tokens(idx) for idx in b)
+            params, opt_state, m = self.fns.train_step(params, opt_state, self.device_batch(rows, gstep))
+            lp.step, lp.done_here, lp.tok_seen = gstep + 1, lp.done_here + 1, lp.tok_seen + tok
+            if lp.step % cfg.trainer.log_every == 0 or lp.step == self.total_steps:
+                self._log_step(lp, m, gstep, epoch, tok, bar)
+            bar.update(1)
+            self._maybe_validate(lp, params, epoch, end_of_epoch)
+            # every process takes the same decision (process 0's clock), or the collectives below deadlock
+            timeout = bool(cfg.trainer.max_minutes) and _agree(
+                (time.perf_counter() - t_start) / 60 >= cfg.trainer.max_minutes)
+            killed = stop_after is not None and lp.done_here >= stop_after
+            if lp.step % cfg.trainer.checkpoint_every == 0 or lp.step == self.total_steps or timeout or killed:
+                self.save(mngr, lp.step, params, opt_state, {"step": lp.step, "best": lp.best,
+                                                             "fingerprint": cfg.fingerprint(), "parallel": parallel})
+            if timeout or killed:
+                lp.stopped = "max_minutes" if timeout else "stop_after"
+                break
+        bar.close()
+        if sinks is not None:
+            sinks.close()
+        return self._finish(lp, params, opt_state, t_start)
+
+    def _begin(self):
+        """The state the loop starts from: fresh, or restored from the last checkpoint (a resume
+        killed before its first save starts over; the partial save is removed)."""
         params, opt_state = self.build_state()
         # Training reads cached hidden states: the target's weights are not needed on the device any
         # more (its config and tokenizer stay). A caller that passed target= keeps its own reference.
@@ -458,7 +437,7 @@ class Run:
             self.target = TargetInfo.of(self.target)
         mngr = self._manager()
         start, best = 0, {"val_loss": None, "step": None}
-        if self.resume and main:
+        if self.resume and self.main:
             for p in partial_saves(self.out / "checkpoints"):  # a save the kill interrupted
                 shutil.rmtree(p, ignore_errors=True)
         if self.resume and self.resume_from_scratch:
@@ -468,96 +447,86 @@ class Run:
             start, params, opt_state, meta = self.restore(mngr, params, opt_state)
             best = meta.get("best", best)
             self.log(f"resumed from step {start}")
-        if self.resume and main:
+        if self.resume and self.main:
             keep_metrics_through(self.out / "metrics.jsonl", start)
-        parallel = {"rows_per_step": self.replicas, "mesh": self.mesh_desc}
-        if main:
+        return params, opt_state, mngr, start, best
+
+    def _write_run_files(self, parallel: dict) -> None:
+        """run.yaml (the resolved recipe) and resume.json (what a resume must share): process 0."""
+        if self.main:
             with atomic_file(self.out / "run.yaml", text=True) as f:
-                f.write(cfg.to_yaml())
+                f.write(self.cfg.to_yaml())
             with atomic_file(self.out / "resume.json", text=True) as f:
-                f.write(json.dumps({**cfg.resume_key(), PARALLEL_KEY: parallel}, indent=1, sort_keys=True))
-        items = self.schedule_items(start)
-        # TensorBoard drops points at steps > start (the killed run's); the restored step's stay
-        sinks = open_sinks(self.out, self.log_to, config=cfg.model_dump(mode="json"),
-                           resume_step=start + 1 if self.resume else None) if main else None
-        bar = tqdm(total=self.total_steps, initial=start, unit="step", desc=f"train {cfg.speculator_type}",
-                   disable=not self.progress, dynamic_ncols=True)
-        step = start
-        last_val_epoch = None
-        tok_seen = 0
-        t0 = time.perf_counter()
-        done_here = 0
-        stopped = None
-        summary_metrics: dict = {}
+                f.write(json.dumps({**self.cfg.resume_key(), PARALLEL_KEY: parallel}, indent=1, sort_keys=True))
+
+    def _log_step(self, lp: "_Loop", m, gstep: int, epoch: int, tok: int, bar) -> None:
+        """One metrics record (sinks) and the progress bar's figures."""
+        mh = normalize_metrics(jax.device_get(m))
+        el = time.perf_counter() - lp.t0
+        rec = {"step": lp.step, "epoch": epoch, "tokens": tok,
+               "lr": {k: float(fn(gstep)) for k, fn in self.lr_fns.items()},
+               "tok_per_s": round(lp.tok_seen / max(el, 1e-9), 1), **{k: round(v, 6) for k, v in mh.items()}}
+        rec.update(self.algorithm.record_fields(mh))
+        lp.write(rec)
+        lp.summary_metrics = rec
+        post = {"loss": f"{mh['loss']:.3f}", **self.algorithm.postfix(mh, rec)}
+        post["tok/s"] = f"{rec['tok_per_s']:.0f}"
+        bar.set_postfix(post)
+
+    def _maybe_validate(self, lp: "_Loop", params, epoch: int, end_of_epoch: bool) -> None:
+        """Validation when due (every ``val_every`` steps, else at each epoch's end), exporting
+        ``best`` when it improves."""
+        cfg, step = self.cfg, lp.step
         val_every = cfg.trainer.val_every
+        do_val = (val_every and step % val_every == 0) or (not val_every and end_of_epoch)
+        if not (do_val and self.val_data is not None and lp.last_val != step):
+            return
+        vm = self.validate(params)
+        lp.last_val = step
+        vrec = {"split": "val", "step": step, "epoch": epoch, **{k: round(v, 6) for k, v in vm.items()}}
+        vrec.update(self.algorithm.record_fields(vm))
+        lp.write(vrec)
+        if cfg.trainer.save_best and (lp.best["val_loss"] is None or vm["loss"] < lp.best["val_loss"]):
+            lp.best = {"val_loss": vm["loss"], "step": step, "metrics": vrec}
+            self.export("best", params, {"step": step, "val_loss": vm["loss"]})
 
-        def write(rec: dict) -> None:
-            if sinks is not None:
-                sinks.write(rec)
-
-        build = lambda st: self.host_rows(self.train_data, st)  # noqa: E731
-        for (gstep, b, epoch, end_of_epoch), (_, rows) in zip(
-                items, Prefetch(build, [(it[0], it[1]) for it in items])):
-            tok = sum(self.train_data.tokens(idx) for idx in b)
-            params, opt_state, m = self.fns.train_step(params, opt_state, self.device_batch(rows, gstep))
-            step = gstep + 1
-            done_here += 1
-            tok_seen += tok
-            if step % cfg.trainer.log_every == 0 or step == self.total_steps:
-                mh = normalize_metrics(jax.device_get(m))
-                el = time.perf_counter() - t0
-                rec = {"step": step, "epoch": epoch, "tokens": tok,
-                       "lr": {k: float(fn(gstep)) for k, fn in self.lr_fns.items()},
-                       "tok_per_s": round(tok_seen / max(el, 1e-9), 1), **{k: round(v, 6) for k, v in mh.items()}}
-                rec.update(self.algorithm.record_fields(mh))
-                write(rec)
-                summary_metrics = rec
-                post = {"loss": f"{mh['loss']:.3f}", **self.algorithm.postfix(mh, rec)}
-                post["tok/s"] = f"{rec['tok_per_s']:.0f}"
-                bar.set_postfix(post)
-            bar.update(1)
-            do_val = (val_every and step % val_every == 0) or (not val_every and end_of_epoch)
-            if do_val and self.val_data is not None and last_val_epoch != step:
-                vm = self.validate(params)
-                last_val_epoch = step
-                vrec = {"split": "val", "step": step, "epoch": epoch, **{k: round(v, 6) for k, v in vm.items()}}
-                vrec.update(self.algorithm.record_fields(vm))
-                write(vrec)
-                if cfg.trainer.save_best and (best["val_loss"] is None or vm["loss"] < best["val_loss"]):
-                    best = {"val_loss": vm["loss"], "step": step, "metrics": vrec}
-                    self.export("best", params, {"step": step, "val_loss": vm["loss"]})
-            # every process takes the same decision (process 0's clock), or the collectives below deadlock
-            timeout = bool(cfg.trainer.max_minutes) and _agree(
-                (time.perf_counter() - t_start) / 60 >= cfg.trainer.max_minutes)
-            killed = stop_after is not None and done_here >= stop_after
-            if step % cfg.trainer.checkpoint_every == 0 or step == self.total_steps or timeout or killed:
-                self.save(mngr, step, params, opt_state, {"step": step, "best": best, "fingerprint": cfg.fingerprint(),
-                                                          "parallel": parallel})
-            if timeout:
-                stopped = "max_minutes"
-                break
-            if killed:
-                stopped = "stop_after"
-                break
-        bar.close()
-        if sinks is not None:
-            sinks.close()
-        if step < self.total_steps and stopped is None:
-            stopped = "epochs"
-        summary = {"steps": step, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
-                   "stopped": stopped, "seconds": round(time.perf_counter() - t_start, 2),
-                   "train_seconds": round(time.perf_counter() - t0, 2), "tokens_seen": tok_seen,
-                   "compiles": dict(self.fns.traces), "best": best, "last_metrics": summary_metrics,
+    def _finish(self, lp: "_Loop", params, opt_state, t_start: float) -> dict:
+        """The run's summary; the ``last`` export and summary.json unless the call was cut short."""
+        if lp.step < self.total_steps and lp.stopped is None:
+            lp.stopped = "epochs"
+        summary = {"steps": lp.step, "total_steps": self.total_steps, "steps_per_epoch": self.steps_per_epoch,
+                   "stopped": lp.stopped, "seconds": round(time.perf_counter() - t_start, 2),
+                   "train_seconds": round(time.perf_counter() - lp.t0, 2), "tokens_seen": lp.tok_seen,
+                   "compiles": dict(self.fns.traces), "best": lp.best, "last_metrics": lp.summary_metrics,
                    "online_tap_lengths": sorted(self.online.lengths) if self.online is not None else None,
                    "mesh": self.mesh_desc, "rows_per_step": self.replicas, "processes": jax.process_count(),
                    "output_dir": str(self.out)}
-        if stopped != "stop_after":
-            summary["last"] = str(self.export("last", params, {"step": step}))
-            if main:
+        if lp.stopped != "stop_after":
+            summary["last"] = str(self.export("last", params, {"step": lp.step}))
+            if self.main:
                 with atomic_file(self.out / "summary.json", text=True) as f:
                     f.write(json.dumps(summary, indent=2, default=str))
         self.params, self.opt_state = params, opt_state
         return summary
+
+
+@dataclass
+class _Loop:
+    """The training loop's running figures."""
+
+    step: int
+    best: dict
+    t0: float
+    sinks: object = None
+    tok_seen: int = 0
+    done_here: int = 0
+    last_val: int | None = None
+    stopped: str | None = None
+    summary_metrics: dict = field(default_factory=dict)
+
+    def write(self, rec: dict) -> None:
+        if self.sinks is not None:
+            self.sinks.write(rec)
 
 
 def _agree(flag: bool) -> bool:
@@ -567,58 +536,6 @@ def _agree(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
-
-
-class TargetInfo:
-    """What a run needs of its target once the draft is initialised: config, tokenizer, source."""
-
-    model = None
-
-    def __init__(self, config, tokenizer, source):
-        self.config, self.tokenizer, self.source = config, tokenizer, source
-
-    @classmethod
-    def of(cls, target) -> "TargetInfo":
-        return target if isinstance(target, TargetInfo) else cls(target.config, getattr(target, "tokenizer", None),
-                                                                 getattr(target, "source", None))
-
-
-def target_info_if_light(target) -> TargetInfo | None:
-    """A :class:`TargetInfo` (config and tokenizer, no weights) for a target given as an HF checkpoint
-    (a directory or a cached repo id), whose verifier tensors ``init_draft`` can then read from the
-    files one at a time; None for a GGUF file (dequantised whole: load it)."""
-    from specjax.models.config import TargetConfig
-    from specjax.models.loading import resolve_target
-    from specjax.models.tokenizer import Tokenizer
-
-    kind, path = resolve_target(target)
-    if kind not in ("hf_dir", "hf_cache"):
-        return None
-    return TargetInfo(TargetConfig.from_file(Path(path) / "config.json"), Tokenizer.from_dir(path), str(path))
-
-
-def partial_saves(ckpt_dir: Path) -> list[Path]:
-    """Orbax's temporary directories of saves that never finished (``<step>.orbax-checkpoint-tmp-<n>``)."""
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted(p for p in ckpt_dir.iterdir() if ".orbax-checkpoint-tmp" in p.name)
-
-
-def keep_metrics_through(path: Path, step: int) -> None:
-    """Rewrite ``metrics.jsonl`` (atomically) keeping the records of steps <= ``step``: the steps a
-    resumed run recomputes are logged again, once. A torn last line (the kill) is dropped too."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
-            kept.append(line)
-    with atomic_file(path, text=True) as f:
-        f.write("".join(k + "\n" for k in kept))
 
 
 def train(cfg: TrainConfig, *, target=None, mesh=None, data_parallel: int | None = None, resume: bool = False,
