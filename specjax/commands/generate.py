@@ -1,4 +1,7 @@
-"""`specjax generate`: target-only or (with ``--draft``) speculative generation on the command line."""
+"""`specjax generate`: target-only or (with ``--draft``) speculative generation on the command line.
+
+The decode loops and the target loader (jax, flax) are imported inside the command, so that
+`specjax --help` stays fast."""
 
 from __future__ import annotations
 
@@ -8,8 +11,10 @@ from typing import List, Optional
 
 import typer
 
+from bridge.errors import BridgeError
 from specjax.commands.common import console, download_option, draft_dir, fail, fetch_target
 from specjax.sharding import cli as shcli
+from specjax.sharding import describe, is_main_process
 
 
 def register(app: typer.Typer) -> None:
@@ -39,6 +44,13 @@ def generate_cmd(
                                        help="with --draft: greedy proposals (speculators default) | sample"),
     lossless: bool = typer.Option(False, "--lossless",
                                   help="with --draft: ignore the checkpoint's verifier_accept_k/accept_tolerance"),
+    tree: Optional[str] = typer.Option(None, "--tree",
+                                       help="with --draft: draft a static token tree, vLLM's speculative_token_tree "
+                                            "path list, e.g. \"[(0,), (1,), (0, 0)]\" (EAGLE-3, MTP, self drafts)"),
+    tree_topk: Optional[int] = typer.Option(None, "--tree-topk", min=1, help="with --draft: a dynamic (EAGLE-2) tree: "
+                                            "children per expanded node (with --tree-depth, --tree-nodes)"),
+    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", min=1, help="dynamic tree: levels"),
+    tree_nodes: Optional[int] = typer.Option(None, "--tree-nodes", min=1, help="dynamic tree: drafted nodes kept"),
     mesh: str = shcli.mesh_option(),
     coordinator: Optional[str] = shcli.coordinator_option(),
     num_processes: Optional[int] = shcli.num_processes_option(),
@@ -47,35 +59,53 @@ def generate_cmd(
 ):
     """Generate continuations with the target alone, or speculatively with --draft (either way the
     whole decode loop is one jit; speculative greedy output equals the target's)."""
-    from bridge.errors import BridgeError
-    from specjax.decode.generate import generate
-    from specjax.sharding import describe, is_main_process
+    from specjax.decode.tree_loop import tree_option
     from specjax.sharding.placement import Placement
 
     fetch_target(target, download=download)  # repo ids: into the local HF cache (only with --download)
     draft = draft_dir(draft, download=download)
     try:
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
+        tree_spec = tree_option(tree, topk=tree_topk, depth=tree_depth, num_nodes=tree_nodes)
+        if tree_spec is not None and (draft is None or dev_mesh.size > 1):
+            raise ValueError("a token tree (--tree / --tree-topk ...) needs --draft and runs on one device (no --mesh)")
         t0 = time.perf_counter()
         dt = None if dtype == "auto" else dtype
         lt = Placement.of(dev_mesh).load_target(target, dtype=dt, cache_dir=cache_dir, progress=not as_json)
         t1 = time.perf_counter()
-        stats = None
-        if draft is None:
-            outs = generate(prompt, target=lt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_p=top_p, top_k=top_k, seed=seed, mesh=dev_mesh)
-        else:
-            from specjax.decode.speculative import speculative_generate
-
-            outs, stats = speculative_generate(prompt, target=lt, draft=draft, chat=chat, max_new_tokens=max_new_tokens,
-                                               k=k, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                               dtype=dt, draft_sampling=draft_sampling, lossless=lossless,
-                                               mesh=dev_mesh)
+        outs, stats = _decode(prompt, lt, draft, tree_spec, dev_mesh, chat=chat, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dt, k=k,
+                              draft_sampling=draft_sampling, lossless=lossless)
         t2 = time.perf_counter()
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
     if not is_main_process():  # multi-process: every process ran the same program; one prints
         return
+    _print_generated(prompt, outs, stats, lt=lt, draft=draft, dev_mesh=dev_mesh, times=(t0, t1, t2), as_json=as_json)
+
+
+def _decode(prompt: List[str], lt, draft: Optional[str], tree_spec, dev_mesh, *, chat, max_new_tokens, temperature,
+            top_p, top_k, seed, dtype, k, draft_sampling, lossless):
+    """Which loop decodes: a token tree, the target alone, or a speculative chain with ``draft``.
+    Returns ``(outputs, acceptance stats or None)``."""
+    from specjax.decode.generate import generate
+    from specjax.decode.speculative import speculative_generate
+    from specjax.decode.tree_loop import tree_generate
+
+    if tree_spec is not None:
+        return tree_generate(prompt, tree=tree_spec, target=lt, draft=draft, chat=chat, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype)
+    if draft is None:
+        return generate(prompt, target=lt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_p=top_p, top_k=top_k, seed=seed, mesh=dev_mesh), None
+    return speculative_generate(prompt, target=lt, draft=draft, chat=chat, max_new_tokens=max_new_tokens, k=k,
+                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
+                                draft_sampling=draft_sampling, lossless=lossless, mesh=dev_mesh)
+
+
+def _print_generated(prompt: List[str], outs, stats, *, lt, draft, dev_mesh, times, as_json: bool) -> None:
+    """The completions: one JSON object, or each text on stdout with its timing and acceptance on stderr."""
+    t0, t1, t2 = times
     n_tok = sum(len(o.token_ids) for o in outs)
     if as_json:
         print(json.dumps({

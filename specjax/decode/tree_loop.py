@@ -261,3 +261,40 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
     if trace:
         res.trace = {"target_cache": out["target_cache"]}
     return res
+
+
+def tree_option(tree: str | None = None, *, topk: int | None = None, depth: int | None = None,
+                num_nodes: int | None = None):
+    """The tree options of ``generate`` / the Python API -> a :class:`TokenTree`, a
+    :class:`DynamicTreeSpec` or None (chain): ``tree`` a ``speculative_token_tree`` path list
+    (string), or ``topk``, ``depth`` and ``num_nodes`` together for a dynamic tree."""
+    dyn = [x is not None for x in (topk, depth, num_nodes)]
+    if tree is not None and any(dyn):
+        raise ValueError("give either a static tree (--tree) or a dynamic one (--tree-topk/--tree-depth/--tree-nodes), "
+                         "not both")
+    if any(dyn) and not all(dyn):
+        raise ValueError(f"a dynamic tree needs --tree-topk, --tree-depth and --tree-nodes together, got topk={topk} "
+                         f"depth={depth} nodes={num_nodes}")
+    if all(dyn):
+        return DynamicTreeSpec(int(topk), int(depth), int(num_nodes))
+    return None if tree is None else parse_tree(tree)
+
+
+def tree_generate(prompts, *, tree, target=None, draft="self", chat: bool = False, max_new_tokens: int = 64,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, dtype=None,
+                  eos_token_ids: Sequence[int] | None = None, cache_dir=None):
+    """Tree counterpart of :func:`specjax.decode.speculative.speculative_generate` (text prompts,
+    a target / draft by path or object, single device). Returns (completions, SpecStats)."""
+    from specjax.decode.generate import completions, encode_prompts, get_target
+    from specjax.decode.speculative import load_spec_draft
+
+    lt = get_target(target, dtype, cache_dir)
+    sd = load_spec_draft(draft, lt, dtype=dtype)
+    ids = encode_prompts(lt, prompts, chat=chat)
+    eos = lt.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+    tok = lt.tokenizer
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
+    res = tree_generate_ids(lt.model, sd, ids, tree=tree, max_new_tokens=max_new_tokens,
+                            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
+                            eos_token_ids=eos, pad_id=pad)
+    return completions(lt, ids, res), res.stats

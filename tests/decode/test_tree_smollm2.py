@@ -40,3 +40,28 @@ def test_smollm2_tree_loop_greedy_identical(smol, tree):
     total = res.stats.total
     print(f"SmolLM2 tree {tree}: accepted-nodes histogram {total.tolist()}, tau {res.stats.tau:.2f}")
     assert total[1:].sum() > 0 and total[2:].sum() > 0, total
+
+
+def test_cli_generate_with_a_tree(smol):
+    """`specjax generate --draft self:20 --tree ...` (and a dynamic tree) prints the target-only
+    tokens; bad tree options fail with exit code 2 and a message naming the option."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    runner = CliRunner()
+    base = ["generate", "-p", PROMPTS[1], "-n", "12", "--json"]
+    ref = json.loads(runner.invoke(app, base).stdout)["completions"][0]["token_ids"]
+    for extra in (["--tree", "[(0,), (1,), (0, 0)]"], ["--tree-topk", "2", "--tree-depth", "2", "--tree-nodes", "3"]):
+        r = runner.invoke(app, base + ["--draft", "self:20"] + extra)
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.stdout)
+        assert out["completions"][0]["token_ids"] == ref
+        assert out["acceptance"]["k"] == 2
+    for extra, msg in ((["--tree", "[(0,), (2,)]", "--draft", "self"], "sibling (1,) is missing"),
+                       (["--tree", "[(0,)]"], "needs --draft"),
+                       (["--tree-topk", "2", "--draft", "self"], "--tree-topk, --tree-depth and --tree-nodes together")):
+        r = runner.invoke(app, base + extra)
+        assert r.exit_code == 2 and msg in r.output, (extra, r.output)
