@@ -83,7 +83,7 @@ def main():
     from specjax.train.config import load_recipe
     from specjax.train.export import draft_layer_config, init_draft, speculators_config
     from specjax.train.step import TRACE_COUNT, device_batch, make_step_fns
-    from specjax.train.trainer import FROZEN, trainable_filter_for
+    from specjax.train.algorithms.base import FROZEN, trainable_filter_for
     from specjax.train.optim import build_optimizer
     from specjax.train.vocab import build_vocab_mapping
     from flax import nnx

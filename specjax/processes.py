@@ -32,6 +32,16 @@ def sync(name: str = "specjax") -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def agree(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (a broadcast; the flag itself when single-process):
+    a decision every process must take alike, or the collectives after it deadlock."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
 def to_host(x) -> np.ndarray:
     """The full value of a (possibly multi-process) array on every process."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:

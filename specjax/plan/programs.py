@@ -138,7 +138,7 @@ def train_program(p: PlanInputs) -> Program:
     from specjax.train.optim import build_optimizer
     from specjax.train.sharded import BATCH_NDIM, step_shardings
     from specjax.train.step import make_step_fns
-    from specjax.train.trainer import trainable_filter_for
+    from specjax.train.algorithms.base import trainable_filter_for
 
     cfg, mesh = p.cfg, p.mesh
     dcfg = draft_config(p)

@@ -115,3 +115,28 @@ class Prefetch:
                     raise self.err
                 return
             yield item
+
+
+def schedule_items(train_data: TrainData, start: int, total_steps: int,
+                   epochs: int) -> list[tuple[int, tuple[np.ndarray, ...], int, bool]]:
+    """(global step, row indices of its ``N`` packed rows, epoch, last of its epoch) from ``start``
+    to the end."""
+    items, step, epoch = [], 0, 0
+    while step < total_steps and epoch < epochs:
+        bs = train_data.step_batches(epoch)
+        for k, b in enumerate(bs):
+            if step >= total_steps:
+                break
+            if step >= start:
+                items.append((step, b, epoch, k == len(bs) - 1 or step + 1 == total_steps))
+            step += 1
+        epoch += 1
+    return items
+
+
+def validation_steps(val_data: TrainData, replicas: int) -> list[tuple[np.ndarray, ...]]:
+    """Validation rows packed as on one device, ``replicas`` per step (the last step filled with
+    empty rows, which count nothing)."""
+    rows = [b for (b,) in val_data.step_batches(0)]
+    rows += [np.zeros((0,), np.int64)] * (-len(rows) % replicas)
+    return [tuple(rows[i: i + replicas]) for i in range(0, len(rows), replicas)]

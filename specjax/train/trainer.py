@@ -59,17 +59,18 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from bridge.atomic import atomic_file
-from specjax.models.drafts.registry import draft_class
 from specjax.models.loading import LoadedTarget
 from specjax.sharding import batch_divisor, batch_sharding, describe, is_main_process, make_mesh, sync
 from specjax.sharding.placement import Placement
-from specjax.train import algorithms, sharded
+from specjax.processes import agree
+from specjax.train import algorithms, sharded, vocab
+from specjax.train.algorithms.base import trainable_filter_for
 from specjax.train.config import TrainConfig
 from specjax.train.dataset import split_indices
 from specjax.train.draft_doc import draft_config_doc
 from specjax.train.errors import DatasetError, HiddenStateCacheError, TrainError
 from specjax.train.export import export_draft, init_draft
-from specjax.train.feed import Prefetch, TrainData
+from specjax.train.feed import Prefetch, TrainData, schedule_items, validation_steps
 from specjax.train.hidden_states import DTYPES as HS_DTYPES, cache_layer_ids, default_aux_layer_ids, verify_cache
 from specjax.train.metric_sinks import check_available, open_sinks
 from specjax.train.objectives import normalize_metrics
@@ -77,28 +78,11 @@ from specjax.train.online import OnlineStates
 from specjax.train.optim import build_optimizer, resolve_schedule_steps
 from specjax.train.pipeline import load_data_dir, needs_prepare, prepare_data, recipe_data_spec, recipe_prompts
 from specjax.train.run_files import (
-    PARALLEL_KEY,
-    TargetInfo, check_output_dir, checkpoint_manager, keep_metrics_through, partial_saves, restore_state, save_state,
-    target_info_if_light,
+    PARALLEL_KEY, TargetInfo, check_output_dir, checkpoint_manager, keep_metrics_through, partial_saves, restore_state,
+    save_state, target_info_if_light,
 )
 from specjax.train.step import device_batch, make_step_fns
-from specjax.train.vocab import (
-    TOKEN_FREQ_NAME, build_vocab_mapping, load_token_freq, load_vocab_mapping, save_vocab_mapping, token_frequencies,
-)
 
-FROZEN = ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm")
-
-
-def trainable_filter_for(algo: str):
-    """Which params an algorithm trains: everything but :data:`FROZEN`, except ``embed_tokens`` for
-    a draft class with ``embed_trainable`` (P-EAGLE: its config's ``embed_requires_grad`` is always
-    True; EAGLE-3 looks its embedding up under no_grad)."""
-    trains_embed = draft_class(algo).embed_trainable
-    frozen = tuple(f for f in FROZEN if not (trains_embed and f == "embed_tokens"))
-    return lambda path, _value: not any(str(p) in frozen for p in path)
-
-
-# ----------------------------------------------------------------------------- run
 
 
 class Run:
@@ -123,7 +107,9 @@ class Run:
         self._parallel(mesh, data_parallel)
         self.log_to = list(dict.fromkeys(["jsonl", *(log_to or [])]))  # metrics.jsonl always: resume reads it
         check_available(self.log_to)
-        self._check_output(resume, overwrite)
+        self.resume_from_scratch = check_output_dir(self.out, cfg, resume=resume, overwrite=overwrite,
+                                                    replicas=self.replicas, mesh_desc=self.mesh_desc, main=self.main)
+        sync("specjax-train-output")  # unconditional: every process reaches it, whatever it saw on disk
         records = None
         if cfg.data.prepare is not None and needs_prepare(cfg):
             records = recipe_prompts(cfg)  # a bad prompt input fails here, before the target loads
@@ -223,13 +209,13 @@ class Run:
         self.algorithm.check_target(self.target, Vd)  # before any vocabulary work (MTP has none)
         self.t2d = self.d2t = None
         if Vd != V:
-            got = load_vocab_mapping(ddir, Vd, V)
+            got = vocab.load_vocab_mapping(ddir, Vd, V)
             if got is None:
-                fp = ddir / TOKEN_FREQ_NAME
-                freq = load_token_freq(fp) if fp.is_file() else token_frequencies(rows)
-                got = build_vocab_mapping(freq, Vd, V)
+                fp = ddir / vocab.TOKEN_FREQ_NAME
+                freq = vocab.load_token_freq(fp) if fp.is_file() else vocab.token_frequencies(rows)
+                got = vocab.build_vocab_mapping(freq, Vd, V)
                 if self.main:
-                    save_vocab_mapping(ddir, *got)
+                    vocab.save_vocab_mapping(ddir, *got)
             self.d2t, self.t2d = got
         return Vd
 
@@ -252,11 +238,6 @@ class Run:
         self.warmup, self.sched_total = resolve_schedule_steps(total=sched_total,
                                                                warmup_steps=cfg.scheduler.scheduler_warmup_steps,
                                                                warmup_ratio=cfg.scheduler.scheduler_warmup_ratio)
-
-    def _check_output(self, resume: bool, overwrite: bool):
-        self.resume_from_scratch = check_output_dir(self.out, self.cfg, resume=resume, overwrite=overwrite,
-                                                    replicas=self.replicas, mesh_desc=self.mesh_desc, main=self.main)
-        sync("specjax-train-output")  # unconditional: every process reaches it, whatever it saw on disk
 
     # ------------------------------------------------------------------ state
     def build_state(self):
@@ -315,12 +296,7 @@ class Run:
 
     # ------------------------------------------------------------------ validation / export
     def val_steps(self) -> list[tuple[np.ndarray, ...]]:
-        """Validation rows packed as on one device, ``replicas`` per step (the last step filled
-        with empty rows, which count nothing)."""
-        rows = [b for (b,) in self.val_data.step_batches(0)]
-        n = self.replicas
-        rows += [np.zeros((0,), np.int64)] * (-len(rows) % n)
-        return [tuple(rows[i: i + n]) for i in range(0, len(rows), n)]
+        return validation_steps(self.val_data, self.replicas)
 
     def host_rows(self, data: TrainData, step: tuple[np.ndarray, ...]) -> dict[int, dict]:
         """The packed rows of one step that this process feeds: ``{row: [1, T, ...] arrays}``."""
@@ -369,21 +345,6 @@ class Run:
         return jax.random.fold_in(jax.random.key(self.cfg.seed), step + 1)
 
     # ------------------------------------------------------------------ loop
-    def schedule_items(self, start: int) -> list[tuple[int, tuple[np.ndarray, ...], int, bool]]:
-        """(global step, row indices of its ``N`` packed rows, epoch, last of its epoch) from ``start``
-        to the end."""
-        items, step, epoch = [], 0, 0
-        while step < self.total_steps and epoch < self.cfg.trainer.epochs:
-            bs = self.train_data.step_batches(epoch)
-            for k, b in enumerate(bs):
-                if step >= self.total_steps:
-                    break
-                if step >= start:
-                    items.append((step, b, epoch, k == len(bs) - 1 or step + 1 == self.total_steps))
-                step += 1
-            epoch += 1
-        return items
-
     def train(self, *, stop_after: int | None = None) -> dict:
         """Train (or resume) to the end. ``stop_after``: return after this many steps of this call
         (tests: simulates a killed run; the last checkpoint is written at that point)."""
@@ -395,7 +356,7 @@ class Run:
         params, opt_state, mngr, start, best = self._begin()
         parallel = {"rows_per_step": self.replicas, "mesh": self.mesh_desc}
         self._write_run_files(parallel)
-        items = self.schedule_items(start)
+        items = schedule_items(self.train_data, start, self.total_steps, cfg.trainer.epochs)
         # TensorBoard drops points at steps > start (the killed run's); the restored step's stay
         sinks = open_sinks(self.out, self.log_to, config=cfg.model_dump(mode="json"),
                            resume_step=start + 1 if self.resume else None) if self.main else None
@@ -413,7 +374,7 @@ class Run:
             bar.update(1)
             self._maybe_validate(lp, params, epoch, end_of_epoch)
             # every process takes the same decision (process 0's clock), or the collectives below deadlock
-            timeout = bool(cfg.trainer.max_minutes) and _agree(
+            timeout = bool(cfg.trainer.max_minutes) and agree(
                 (time.perf_counter() - t_start) / 60 >= cfg.trainer.max_minutes)
             killed = stop_after is not None and lp.done_here >= stop_after
             if lp.step % cfg.trainer.checkpoint_every == 0 or lp.step == self.total_steps or timeout or killed:
@@ -527,15 +488,6 @@ class _Loop:
     def write(self, rec: dict) -> None:
         if self.sinks is not None:
             self.sinks.write(rec)
-
-
-def _agree(flag: bool) -> bool:
-    """Process 0's ``flag`` on every process (a broadcast; the flag itself when single-process)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
 def train(cfg: TrainConfig, *, target=None, mesh=None, data_parallel: int | None = None, resume: bool = False,

@@ -13,6 +13,19 @@ from specjax.models.drafts.registry import draft_class
 from specjax.train.export import draft_layer_config
 from specjax.train.losses import parse_loss_spec
 
+#: top-level params speculators freezes (``requires_grad=False``) in every draft
+FROZEN = ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm")
+
+
+def trainable_filter_for(algo: str):
+    """Which params an algorithm trains: everything but :data:`FROZEN`, except ``embed_tokens`` for
+    a draft class with ``embed_trainable`` (P-EAGLE: its config's ``embed_requires_grad`` is always
+    True; EAGLE-3 looks its embedding up under no_grad)."""
+    trains_embed = draft_class(algo).embed_trainable
+    frozen = tuple(f for f in FROZEN if not (trains_embed and f == "embed_tokens"))
+    return lambda path, _value: not any(str(p) in frozen for p in path)
+
+
 # recipe keys an algorithm may leave unset, and what they default to unless it says otherwise
 BASE_DEFAULTS: dict[str, Any] = {
     "draft.draft_arch": "qwen3", "draft.norm_before_fc": False, "draft.norm_output": False, "draft.num_layers": 1,
