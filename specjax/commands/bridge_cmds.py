@@ -12,6 +12,8 @@ from typing import Optional
 
 import typer
 
+import bridge
+from bridge.roundtrip import convert
 from specjax.commands.common import console, download_option, fail, human_bytes, local_dir, parse_size
 
 
@@ -27,8 +29,6 @@ def inspect_cmd(
     download: bool = download_option(),
 ):
     """Summarise a checkpoint from its config and safetensors header (no tensor data read)."""
-    import bridge
-
     path = local_dir(ckpt, kind="checkpoint", download=download)
     try:
         summary = bridge.summarize(path)
@@ -72,8 +72,6 @@ def audit_cmd(
     download: bool = download_option(),
 ):
     """Check the speculators format contract offline. Exit 0 clean, 1 errors, 2 unreadable."""
-    import bridge
-
     path = local_dir(ckpt, kind="checkpoint", download=download)
     if verifier is not None:
         verifier = local_dir(verifier, kind="verifier", download=download)
@@ -127,10 +125,31 @@ def convert_cmd(
 ):
     """Round-trip conversion between speculators checkpoints and Orbax (--to), or a third-party
     draft into a speculators checkpoint (--from, audited before it is written). Atomic writes."""
-    import bridge
-
     c = console()
     shard = parse_size(max_shard_size) if max_shard_size else None
+    given = _converter_options(norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc,
+                               fc_norm=fc_norm, norm_output=norm_output, num_speculative_steps=num_speculative_steps,
+                               aux_layer_ids=aux_layer_ids, options=options)
+    if from_ is None:
+        if given or verifier is not None:
+            raise typer.BadParameter("--verifier and the converter options apply only with --from")
+        if to is None:
+            raise typer.BadParameter("give --to orbax|speculators (round trip) or --from KIND (third-party draft)")
+        _convert_round_trip(c, src, dst, to, overwrite=overwrite, check=check, shard=shard, as_json=as_json,
+                            download=download)
+        return
+    if to not in (None, "speculators"):
+        raise typer.BadParameter(f"--from writes a speculators checkpoint; --to {to} does not apply")
+    if check:
+        raise typer.BadParameter("--check verifies --to round trips; --from conversions are audited automatically")
+    _convert_external(c, src, from_, verifier, dst, given, overwrite=overwrite, shard=shard, as_json=as_json,
+                      download=download)
+
+
+def _converter_options(*, norm_before_residual, norm_before_fc, fc_norm, norm_output, num_speculative_steps,
+                       aux_layer_ids: Optional[str], options: Optional[str]) -> dict:
+    """The --from converter options the caller gave: the flags that are set, --aux-layer-ids as
+    integers, and the --options JSON object on top."""
     given = {k: v for k, v in (("norm_before_residual", norm_before_residual), ("norm_before_fc", norm_before_fc),
                                ("fc_norm", fc_norm), ("norm_output", norm_output),
                                ("num_speculative_steps", num_speculative_steps)) if v is not None}
@@ -147,30 +166,30 @@ def convert_cmd(
         if not isinstance(extra, dict):
             raise typer.BadParameter(f"--options must be a JSON object, not {type(extra).__name__}")
         given.update(extra)
-    if from_ is None:
-        if given or verifier is not None:
-            raise typer.BadParameter("--verifier and the converter options apply only with --from")
-        if to is None:
-            raise typer.BadParameter("give --to orbax|speculators (round trip) or --from KIND (third-party draft)")
-        from bridge.roundtrip import convert
+    return given
 
-        src = local_dir(src, kind="checkpoint", download=download)  # after the arguments are checked
-        try:
-            res = convert(src, dst, to, overwrite=overwrite, check=check, max_shard_bytes=shard)
-        except bridge.BridgeError as e:
-            fail(e, code=getattr(e, "exit_code", 2))
-        if as_json:
-            print(json.dumps(res, indent=2))
-            return
-        c.print(f"wrote {res['format']} checkpoint {dst} ({res['tensors']} tensors) from {res['source_format']} {src}")
-        if check:
-            ch = res["check"]
-            c.print(f"[green]check: bit-exact[/green] ({ch['tensors']} tensors, {human_bytes(ch['bytes'])}, config equal)")
+
+def _convert_round_trip(c, src: Path, dst: Path, to: str, *, overwrite: bool, check: bool, shard, as_json: bool,
+                        download: bool) -> None:
+    """--to: a speculators checkpoint to Orbax or back, optionally reloaded and compared bit-exactly."""
+    src = local_dir(src, kind="checkpoint", download=download)  # after the arguments are checked
+    try:
+        res = convert(src, dst, to, overwrite=overwrite, check=check, max_shard_bytes=shard)
+    except bridge.BridgeError as e:
+        fail(e, code=getattr(e, "exit_code", 2))
+    if as_json:
+        print(json.dumps(res, indent=2))
         return
-    if to not in (None, "speculators"):
-        raise typer.BadParameter(f"--from writes a speculators checkpoint; --to {to} does not apply")
+    c.print(f"wrote {res['format']} checkpoint {dst} ({res['tensors']} tensors) from {res['source_format']} {src}")
     if check:
-        raise typer.BadParameter("--check verifies --to round trips; --from conversions are audited automatically")
+        ch = res["check"]
+        c.print(f"[green]check: bit-exact[/green] ({ch['tensors']} tensors, {human_bytes(ch['bytes'])}, config equal)")
+
+
+def _convert_external(c, src: Path, from_: str, verifier: Optional[str], dst: Path, given: dict, *, overwrite: bool,
+                      shard, as_json: bool, download: bool) -> None:
+    """--from: a third-party draft into an audited speculators checkpoint, with what was detected,
+    the options used, the converter's notes and the audit's warnings."""
     src = local_dir(src, kind="checkpoint", download=download)  # after the arguments are checked
     if verifier is not None:
         verifier = str(local_dir(verifier, kind="verifier", download=download))

@@ -61,75 +61,29 @@ class TargetConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], *, where: str = "config.json") -> "TargetConfig":
-        arch = None
-        archs = cfg.get("architectures") or []
-        for a in archs:
-            if a in ARCHITECTURES:
-                arch = ARCHITECTURES[a]
-        if arch is None and archs:
-            raise UnknownArchitectureError(
-                f"architectures {archs} is not supported; expected one of {sorted(ARCHITECTURES)}",
-                path=where, key="architectures")
-        if arch is None:
-            mt = cfg.get("model_type")
-            if mt not in MODEL_TYPES:
-                raise UnknownArchitectureError(
-                    f"model_type {mt!r} is not supported; expected one of {sorted(MODEL_TYPES)} "
-                    f"(or architectures one of {sorted(ARCHITECTURES)})", path=where, key="model_type")
-            arch = MODEL_TYPES[mt]
-
-        def req(k, typ=int):
-            if k not in cfg or cfg[k] is None:
-                raise ConfigError(f"missing required key {k!r}", path=where, key=k)
-            try:
-                return typ(cfg[k])
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"key {k!r} = {cfg[k]!r} is not a valid {typ.__name__}", path=where, key=k) from e
-
-        hidden = req("hidden_size")
-        heads = req("num_attention_heads")
+        """Validate an HF ``config.json`` dict; errors name the key and ``where``."""
+        arch = _family(cfg, where)
+        hidden = _required(cfg, "hidden_size", where)
+        heads = _required(cfg, "num_attention_heads", where)
         kv = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         if heads % kv:
             raise ConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
                               path=where, key="num_key_value_heads")
-        n = req("num_hidden_layers")
+        n = _required(cfg, "num_hidden_layers", where)
         max_pos = int(cfg.get("max_position_embeddings") or 2048)
         rope = RopeConfig.from_hf(cfg, head_dim=head_dim, where=where)
         if rope.rotary_dim is not None:
             raise ConfigError(f"partial_rotary_factor < 1 is not supported for {arch} targets", path=where,
                               key="partial_rotary_factor")
-        sliding = None
-        layer_types: tuple[str, ...] = ()
-        if arch == "qwen3":
-            if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-                sliding = int(cfg["sliding_window"])
-            lt = cfg.get("layer_types")
-            if lt is None:
-                mwl = int(cfg.get("max_window_layers", 28))
-                lt = ["sliding_attention" if sliding is not None and i >= mwl else "full_attention" for i in range(n)]
-            layer_types = tuple(lt)
-        elif cfg.get("layer_types"):
-            layer_types = tuple(cfg["layer_types"])
-            if cfg.get("sliding_window"):
-                sliding = int(cfg["sliding_window"])
-        if layer_types and len(layer_types) != n:
-            raise ConfigError(f"layer_types has {len(layer_types)} entries; expected num_hidden_layers = {n}",
-                              path=where, key="layer_types")
-        bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if bad:
-            raise ConfigError(f"layer_types contains {bad}; expected 'full_attention' or 'sliding_attention'",
-                              path=where, key="layer_types")
-        if "sliding_attention" in layer_types and sliding is None:
-            raise ConfigError("layer_types has 'sliding_attention' but sliding_window is not set", path=where,
-                              key="sliding_window")
+        sliding, layer_types = _attention_windows(cfg, arch, n, where)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None)
         return cls(
             family=arch,
-            vocab_size=req("vocab_size"),
+            vocab_size=_required(cfg, "vocab_size", where),
             hidden_size=hidden,
-            intermediate_size=req("intermediate_size"),
+            intermediate_size=_required(cfg, "intermediate_size", where),
             num_hidden_layers=n,
             num_attention_heads=heads,
             num_key_value_heads=kv,
@@ -161,3 +115,65 @@ class TargetConfig:
         if not isinstance(doc, dict):
             raise ConfigError(f"config.json holds a JSON {type(doc).__name__}; expected an object", path=str(p))
         return cls.from_hf(doc, where=str(p))
+
+
+def _family(cfg: Mapping[str, Any], where: str) -> str:
+    """The target family: from a known ``architectures`` entry (the last one wins), else from ``model_type``."""
+    arch = None
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            arch = ARCHITECTURES[a]
+    if arch is None and archs:
+        raise UnknownArchitectureError(
+            f"architectures {archs} is not supported; expected one of {sorted(ARCHITECTURES)}",
+            path=where, key="architectures")
+    if arch is None:
+        mt = cfg.get("model_type")
+        if mt not in MODEL_TYPES:
+            raise UnknownArchitectureError(
+                f"model_type {mt!r} is not supported; expected one of {sorted(MODEL_TYPES)} "
+                f"(or architectures one of {sorted(ARCHITECTURES)})", path=where, key="model_type")
+        arch = MODEL_TYPES[mt]
+    return arch
+
+
+def _required(cfg: Mapping[str, Any], k: str, where: str, typ=int):
+    """A key that must be present, not null, and convertible by ``typ``."""
+    if k not in cfg or cfg[k] is None:
+        raise ConfigError(f"missing required key {k!r}", path=where, key=k)
+    try:
+        return typ(cfg[k])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"key {k!r} = {cfg[k]!r} is not a valid {typ.__name__}", path=where, key=k) from e
+
+
+def _attention_windows(cfg: Mapping[str, Any], arch: str, n: int, where: str) -> tuple[int | None, tuple[str, ...]]:
+    """The sliding window and per-layer attention types (Qwen3 derives them from
+    ``use_sliding_window``/``max_window_layers`` when ``layer_types`` is absent), checked against
+    the layer count. Returns ``(sliding_window, layer_types)``."""
+    sliding = None
+    layer_types: tuple[str, ...] = ()
+    if arch == "qwen3":
+        if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+            sliding = int(cfg["sliding_window"])
+        lt = cfg.get("layer_types")
+        if lt is None:
+            mwl = int(cfg.get("max_window_layers", 28))
+            lt = ["sliding_attention" if sliding is not None and i >= mwl else "full_attention" for i in range(n)]
+        layer_types = tuple(lt)
+    elif cfg.get("layer_types"):
+        layer_types = tuple(cfg["layer_types"])
+        if cfg.get("sliding_window"):
+            sliding = int(cfg["sliding_window"])
+    if layer_types and len(layer_types) != n:
+        raise ConfigError(f"layer_types has {len(layer_types)} entries; expected num_hidden_layers = {n}",
+                          path=where, key="layer_types")
+    bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if bad:
+        raise ConfigError(f"layer_types contains {bad}; expected 'full_attention' or 'sliding_attention'",
+                          path=where, key="layer_types")
+    if "sliding_attention" in layer_types and sliding is None:
+        raise ConfigError("layer_types has 'sliding_attention' but sliding_window is not set", path=where,
+                          key="sliding_window")
+    return sliding, layer_types
