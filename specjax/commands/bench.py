@@ -1,6 +1,9 @@
 """`specjax bench`: target-only vs speculative decoding over a prompt file, on one device or a
 device mesh (``--mesh``; several processes with ``--coordinator/--num-processes/--process-id``:
-every process runs the bench, process 0 prints and writes the JSON and the plot)."""
+every process runs the bench, process 0 prints and writes the JSON and the plot).
+
+The decode loop and the target loader (jax, flax) are imported inside the command, so that
+`specjax --help` stays fast."""
 
 from __future__ import annotations
 
@@ -9,8 +12,11 @@ from typing import Optional
 
 import typer
 
+from bridge.errors import BridgeError
 from specjax.commands.common import console, download_option, draft_dir, fail, fetch_target
 from specjax.sharding import cli as shcli
+from specjax.sharding import describe, is_main_process, sync
+from specjax.train.prompts import PromptIds, read_prompts
 
 
 def register(app: typer.Typer) -> None:
@@ -21,8 +27,6 @@ def bench_prompts(spec: str, *, max_samples: int | None = None, shuffle_seed: in
     """Prompts through the one prompt reader (:func:`specjax.train.prompts.read_prompts`), in the
     forms ``specjax.decode.bench.encode`` takes: a single user turn as its text (``--no-chat``
     applies), a conversation up to its last user turn as messages, token ids as a list of ints."""
-    from specjax.train.prompts import PromptIds, read_prompts
-
     out = []
     for r in read_prompts(spec, max_samples=max_samples, shuffle_seed=shuffle_seed,
                           accept=("conversation", "prompt_ids")):
@@ -74,39 +78,13 @@ def bench_cmd(
 ):
     """Measure speculative decoding against the target alone: acceptance (tau, per position), tokens/s,
     speedup, the draft/target cost ratio c and the speedup the formula predicts from them."""
-    from bridge.errors import BridgeError
-    from specjax.decode import bench
-    from specjax.decode.sampling import SamplingParams
-    from specjax.decode.speculative import load_spec_draft
-    from specjax.sharding import describe, is_main_process, sync
-    from specjax.sharding.placement import Placement
-
     try:
-        dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
-        sharded = dev_mesh.size > 1
-        main = is_main_process()
-        progress = progress and main
-        dt = None if dtype == "auto" else dtype
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        if draft_sampling not in ("greedy", "sample"):
-            raise ValueError(f"--draft-sampling must be 'greedy' or 'sample', got {draft_sampling!r}")
-        raw = bench_prompts(prompts, max_samples=max_samples, shuffle_seed=shuffle_seed)  # before any model loads
-        fetch_target(target, download=download)  # repo ids: into the local HF cache (only with --download)
-        draft = draft_dir(draft, download=download)
-        lt = Placement.of(dev_mesh).load_target(target, dtype=dt, cache_dir=cache_dir, progress=progress)
-        sd = load_spec_draft(draft, lt, dtype=dt, mesh=dev_mesh)
-        ids = bench.encode(lt, raw, chat=chat)
-        tok = lt.tokenizer
-        rep = bench.run_bench(lt.model, sd, ids, k=k, sampling=sampling, max_new_tokens=max_new_tokens,
-                              batch_size=batch_size, seed=seed, eos_token_ids=lt.eos_token_ids,
-                              pad_id=tok.pad_token_id if tok is not None else None, draft_sampling=draft_sampling,
-                              lossless=lossless, progress=progress, repeats=repeats, extra={"target": lt.source},
-                              mesh=dev_mesh if sharded else None)
-        if plot_path:
-            if main:
-                bench.plot(rep, plot_path)
-            sync("specjax-bench-plot")
-            rep.data["plot"] = plot_path
+        rep, dev_mesh, main = _run_bench(
+            mesh=mesh, coordinator=coordinator, num_processes=num_processes, process_id=process_id, prompts=prompts,
+            target=target, draft=draft, k=k, temperature=temperature, top_p=top_p, top_k=top_k,
+            max_new_tokens=max_new_tokens, batch_size=batch_size, max_samples=max_samples, shuffle_seed=shuffle_seed,
+            chat=chat, draft_sampling=draft_sampling, lossless=lossless, seed=seed, dtype=dtype, cache_dir=cache_dir,
+            plot_path=plot_path, repeats=repeats, progress=progress, download=download)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
     if not main:  # multi-process: every process ran the same bench; one reports
@@ -115,6 +93,51 @@ def bench_cmd(
     if as_json:
         print(json.dumps(d))
         return
+    _print_bench(d, dev_mesh)
+
+
+def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target, draft, k, temperature, top_p, top_k,
+               max_new_tokens, batch_size, max_samples, shuffle_seed, chat, draft_sampling, lossless, seed, dtype,
+               cache_dir, plot_path, repeats, progress, download):
+    """Set up the devices, read the prompts, load the target and draft (into the mesh's shardings
+    when it has several devices) and run both sides; with --plot, process 0 draws it. Returns
+    ``(report, device mesh, whether this is the main process)``."""
+    from specjax.decode import bench
+    from specjax.decode.sampling import SamplingParams
+    from specjax.decode.speculative import load_spec_draft
+    from specjax.sharding.placement import Placement
+
+    dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
+    sharded = dev_mesh.size > 1
+    main = is_main_process()
+    progress = progress and main
+    dt = None if dtype == "auto" else dtype
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if draft_sampling not in ("greedy", "sample"):
+        raise ValueError(f"--draft-sampling must be 'greedy' or 'sample', got {draft_sampling!r}")
+    raw = bench_prompts(prompts, max_samples=max_samples, shuffle_seed=shuffle_seed)  # before any model loads
+    fetch_target(target, download=download)  # repo ids: into the local HF cache (only with --download)
+    draft = draft_dir(draft, download=download)
+    lt = Placement.of(dev_mesh).load_target(target, dtype=dt, cache_dir=cache_dir, progress=progress)
+    sd = load_spec_draft(draft, lt, dtype=dt, mesh=dev_mesh)
+    ids = bench.encode(lt, raw, chat=chat)
+    tok = lt.tokenizer
+    rep = bench.run_bench(lt.model, sd, ids, k=k, sampling=sampling, max_new_tokens=max_new_tokens,
+                          batch_size=batch_size, seed=seed, eos_token_ids=lt.eos_token_ids,
+                          pad_id=tok.pad_token_id if tok is not None else None, draft_sampling=draft_sampling,
+                          lossless=lossless, progress=progress, repeats=repeats, extra={"target": lt.source},
+                          mesh=dev_mesh if sharded else None)
+    if plot_path:
+        if main:
+            bench.plot(rep, plot_path)
+        sync("specjax-bench-plot")
+        rep.data["plot"] = plot_path
+    return rep, dev_mesh, main
+
+
+def _print_bench(d: dict, dev_mesh) -> None:
+    """The bench report for a reader: acceptance, speeds, the cost ratio and the predicted speedup."""
+    sharded = dev_mesh.size > 1
     out = console()
     out.print(f"[bold]{d['algorithm']}[/bold] draft {d['draft']} on {d['target']}: k={d['k']}, "
               f"{d['prompts']} prompts, batch {d['batch_size']}, temperature {d['temperature']}"

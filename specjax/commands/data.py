@@ -1,4 +1,7 @@
-"""`specjax data ...`: build training data (prompts -> target rows -> hidden states -> vocab)."""
+"""`specjax data ...`: build training data (prompts -> target rows -> hidden states -> vocab).
+
+The target, the pipeline and the hidden-state extractor (jax, flax) are imported inside the
+commands that use them, so that `specjax --help` stays fast."""
 
 from __future__ import annotations
 
@@ -8,8 +11,17 @@ from typing import List, Optional
 
 import typer
 
+from bridge.atomic import atomic_file
+from bridge.errors import BridgeError
 from specjax.commands.common import console, download_option, fail, fetch_target
 from specjax.sharding import cli as shcli
+from specjax.sharding import is_main_process
+from specjax.train.dataset import read_meta, read_rows
+from specjax.train.errors import PromptFileError
+from specjax.train.prompts import builtin_prompts
+from specjax.train.vocab import (
+    TOKEN_FREQ_NAME, build_vocab_mapping, load_token_freq, save_token_freq, save_vocab_mapping, token_frequencies,
+)
 
 data_app = typer.Typer(help="Training data: prompts, target-regenerated rows, hidden-state caches, t2d/d2t.",
                        no_args_is_help=True, add_completion=False)
@@ -29,8 +41,6 @@ def _ids(text: Optional[str]) -> Optional[list[int]]:
 
 
 def _log(msg: str) -> None:
-    from specjax.sharding import is_main_process
-
     if is_main_process():
         console(stderr=True).print(msg, style="dim")
 
@@ -93,48 +103,25 @@ def prepare_cmd(
 
     The prompt input is read and every record checked before the target loads; a bad one exits
     with an error naming the file and the record, and nothing is written."""
-    from bridge.errors import BridgeError
-    from specjax.sharding import is_main_process
-    from specjax.train.pipeline import DataSpec, prepare_data, recipe_data_spec, recipe_prompts, spec_prompts
-
+    flags = dict(prompts=prompts, regenerate=regenerate, max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_p=top_p, top_k=top_k, seq_length=seq_length, aux_layer_ids=aux_layer_ids,
+                 hidden_states_dtype=hs_dtype, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
+                 draft_vocab_size=draft_vocab_size, seed=seed, max_samples=max_samples, shuffle_seed=shuffle_seed)
     try:
-        cfg = None
-        if config is not None:  # the recipe's settings; its data directory is resumed, a complete one kept
-            if max_samples is not None or shuffle_seed is not None:
-                raise typer.BadParameter("with --config, set data.prepare.max_samples / shuffle_seed in the recipe "
-                                         "(or --set max_samples=N)")
-            from specjax.train.config import load_recipe
-            from specjax.train.dataset import read_meta
-
-            cfg = load_recipe(config, set_)
-            out = Path(cfg.data.path) if out is None else out
-            target = cfg.target if target is None else target
-            done = read_meta(out)
-            if done.get("complete"):
-                if is_main_process():
-                    print(json.dumps(done, default=str)) if as_json else console().print(
-                        f"{out} is already complete ({done.get('rows')} rows); nothing to do")
-                return
-            records = recipe_prompts(cfg)  # the input checked before the target loads
-        elif set_:
-            raise typer.BadParameter("--set takes effect with --config only")
-        else:
-            if out is None:
-                raise typer.BadParameter("give --out DIR (or --config RECIPE)")
-            spec = DataSpec(prompts=prompts, regenerate=regenerate, max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_p=top_p, top_k=top_k, seq_length=seq_length,
-                            aux_layer_ids=_ids(aux_layer_ids), hidden_states_dtype=hs_dtype, batch_size=batch_size,
-                            max_prompt_tokens=max_prompt_tokens, draft_vocab_size=draft_vocab_size, seed=seed,
-                            max_samples=max_samples, shuffle_seed=shuffle_seed)
-            records = spec_prompts(spec)  # the input checked before the target loads
-        dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
-        lt = _load_target(target or "default", dev_mesh, progress=not as_json and is_main_process(),
-                          download=download)
-        if cfg is not None:
-            spec = recipe_data_spec(cfg, lt.config.num_hidden_layers)
-        res = prepare_data(out, spec, lt, progress=not as_json and is_main_process(), log=_log, records=records)
+        inputs = _prepare_inputs(config, set_, out, target, flags, as_json=as_json)
+        if inputs is None:
+            return
+        cfg, out, target, spec, records = inputs
+        res = _prepare_on_target(cfg, out, target, spec, records, mesh=mesh, coordinator=coordinator,
+                                 num_processes=num_processes, process_id=process_id, as_json=as_json,
+                                 download=download)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
+    _say_prepared(res, out, as_json=as_json)
+
+
+def _say_prepared(res: dict, out: Path, *, as_json: bool) -> None:
+    """Process 0 reports what `data prepare` built: rows, tokens and time, or the JSON of it."""
     if not is_main_process():
         return
     if as_json:
@@ -142,6 +129,53 @@ def prepare_cmd(
     else:
         console().print(f"{res['rows']} rows, {res['tokens']} tokens ({res['supervised_tokens']} supervised) in "
                         f"{res['seconds']}s -> {out}")
+
+
+def _prepare_inputs(config: Optional[Path], set_: List[str], out: Optional[Path], target: Optional[str],
+                    flags: dict, *, as_json: bool):
+    """What `data prepare` builds and from which prompts: the recipe's data directory, target (the
+    flags win) and settings, or a DataSpec from the flags; the prompt records are read and checked
+    before the target loads. Returns ``(recipe, out, target, spec, records)`` (``spec`` None with a
+    recipe: it needs the target's depth), or None when the recipe's directory is already complete
+    (said so)."""
+    from specjax.train.pipeline import DataSpec, recipe_prompts, spec_prompts
+
+    if config is not None:  # the recipe's settings; its data directory is resumed, a complete one kept
+        if flags["max_samples"] is not None or flags["shuffle_seed"] is not None:
+            raise typer.BadParameter("with --config, set data.prepare.max_samples / shuffle_seed in the recipe "
+                                     "(or --set max_samples=N)")
+        from specjax.train.config import load_recipe
+
+        cfg = load_recipe(config, set_)
+        out = Path(cfg.data.path) if out is None else out
+        target = cfg.target if target is None else target
+        done = read_meta(out)
+        if done.get("complete"):
+            if is_main_process():
+                print(json.dumps(done, default=str)) if as_json else console().print(
+                    f"{out} is already complete ({done.get('rows')} rows); nothing to do")
+            return None
+        return cfg, out, target, None, recipe_prompts(cfg)  # the input checked before the target loads
+    if set_:
+        raise typer.BadParameter("--set takes effect with --config only")
+    if out is None:
+        raise typer.BadParameter("give --out DIR (or --config RECIPE)")
+    spec = DataSpec(**{**flags, "aux_layer_ids": _ids(flags["aux_layer_ids"])})
+    return None, out, target, spec, spec_prompts(spec)  # the input checked before the target loads
+
+
+def _prepare_on_target(cfg, out: Path, target: Optional[str], spec, records, *, mesh: str, coordinator, num_processes,
+                       process_id, as_json: bool, download: bool) -> dict:
+    """Set up the devices, load the target (into the mesh's shardings when it has several devices)
+    and build the data directory from ``records``; with a recipe, its spec for the target's depth."""
+    from specjax.train.pipeline import prepare_data, recipe_data_spec
+
+    dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
+    lt = _load_target(target or "default", dev_mesh, progress=not as_json and is_main_process(),
+                      download=download)
+    if cfg is not None:
+        spec = recipe_data_spec(cfg, lt.config.num_hidden_layers)
+    return prepare_data(out, spec, lt, progress=not as_json and is_main_process(), log=_log, records=records)
 
 
 @data_app.command("extract")
@@ -162,9 +196,6 @@ def extract_cmd(
 
     On a mesh of several devices the target loads straight into its shardings and each batch is
     split over the data and fsdp axes; only process 0 writes files."""
-    from bridge.errors import BridgeError
-    from specjax.sharding import is_main_process
-    from specjax.train.dataset import read_rows
     from specjax.train.hidden_states import default_aux_layer_ids, extract_hidden_states
 
     try:
@@ -192,12 +223,6 @@ def vocab_cmd(
     download: bool = download_option(),
 ):
     """Token frequencies (token_freq.pt) and d2t-<N>.npy / t2d-<N>.npy, as speculators builds them."""
-    from bridge.errors import BridgeError
-    from specjax.train.dataset import read_rows
-    from specjax.train.vocab import (
-        TOKEN_FREQ_NAME, build_vocab_mapping, load_token_freq, save_token_freq, save_vocab_mapping, token_frequencies,
-    )
-
     try:
         fp = data / TOKEN_FREQ_NAME
         if fp.is_file():
@@ -228,10 +253,6 @@ def prompts_cmd(
     seed: int = typer.Option(0, "--seed"),
 ):
     """Write a built-in prompt set (made from the Python standard library) as JSONL."""
-    from bridge.atomic import atomic_file
-    from specjax.train.errors import PromptFileError
-    from specjax.train.prompts import builtin_prompts
-
     try:
         convs = builtin_prompts(name, n, seed=seed)
     except PromptFileError as e:
@@ -245,8 +266,6 @@ def prompts_cmd(
 @data_app.command("inspect")
 def inspect_cmd(data: Path = typer.Argument(..., help="a data directory")):
     """Rows, tokens, layer set and completeness of a data directory."""
-    from bridge.errors import BridgeError
-    from specjax.train.dataset import read_meta, read_rows
     from specjax.train.hidden_states import hs_path, is_complete
 
     try:
