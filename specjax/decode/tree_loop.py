@@ -17,12 +17,13 @@ One round (``B`` sequences, tree of ``N`` drafted nodes and depth ``D``, :mod:`s
 
 Drafting needs a chain draft's teacher-forced ``propose(..., forced=)`` (EAGLE-3, MTP). A static
 tree (:class:`specjax.decode.tree.TokenTree`): node i's children are the draft's top-c tokens after
-the root-to-i path, one forced chain per internal node. A dynamic tree (:class:`DynamicTreeSpec`):
-the root's top-k, then per further depth the top-k frontier nodes (by cumulative draft log-prob)
-each expanded by one forced chain, the best ``num_nodes`` kept; each sequence has its own tree
-(masks, depths and children are [B, ...] arrays). A tree-attention draft forward (one per depth
-instead of one chain per expanded node) is the cheaper form; not yet. Single device; no sharded
-tree loop yet.
+the root-to-i path. A dynamic tree (:class:`DynamicTreeSpec`): the root's top-k, then per further
+depth the top-k frontier nodes (by cumulative draft log-prob) expanded, the best ``num_nodes``
+kept; each sequence has its own tree (masks, depths and children are [B, ...] arrays). Each depth's
+expanded nodes are one teacher-forced chain proposal over the batch repeated per node
+(:func:`forced_logits`): one draft call per depth, each re-reading the committed rows and
+re-running the chain's earlier steps. A tree-attention draft forward over the drafted nodes (no
+repeats) is the cheaper form; not yet. Single device; no sharded tree loop yet.
 """
 
 from __future__ import annotations
@@ -116,41 +117,54 @@ def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree) -> 
     return Drafted(nodes, bc(tree.depth), bc(tree.mask), bc(tree.children)), cache
 
 
+def forced_logits(draft, dcache, rows, next_tokens, pos, n_valid, paths):
+    """The draft's logits after F teacher-forced paths per sequence, in one ``propose`` over the
+    batch repeated F times. paths int32 [B, F, d] (target ids) -> f32 [B, F, Vd]. The draft's
+    inputs (cache, rows, tokens, positions, n_valid: leading batch axis B) are repeated, so the F
+    chains run as one batch of B*F rows (one extend and d chain steps, not F of each)."""
+    B, F, d = paths.shape
+    rep = lambda x: jnp.repeat(x, F, axis=0) if getattr(x, "ndim", 0) and x.shape[0] == B else x  # noqa: E731
+    prop = draft.propose(jax.tree_util.tree_map(rep, dcache), jax.tree_util.tree_map(rep, rows), rep(next_tokens),
+                         rep(pos), k=d + 1, n_valid=rep(n_valid), forced=paths.reshape(B * F, d) if d else None)
+    return prop.logits[:, d].astype(jnp.float32).reshape(B, F, -1)
+
+
 def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: TokenTree):
-    """Node i's children (rank order) are the draft's top-c tokens after the root-to-i path.
-    Returns (nodes int32 [B, N+1] target ids, column 0 zero; the draft cache)."""
+    """Node i's children (rank order) are the draft's top-c tokens after the root-to-i path; the
+    internal nodes of one depth share one batched proposal (:func:`forced_logits`). Returns
+    (nodes int32 [B, N+1] target ids, column 0 zero; the draft cache)."""
     B = next_tokens.shape[0]
     pos = positions + getattr(draft, "token_position_offset", 0)
     d2t = d2t_of(draft)
+    root = draft.propose(dcache, rows, next_tokens, pos, k=1, n_valid=n_valid)
     nodes = jnp.zeros((B, tree.num_nodes + 1), jnp.int32)
-    cache = None
-    for i in range(tree.num_nodes + 1):  # static: parents before children, so their tokens are known
-        kids = tree.children[i][tree.children[i] >= 0]
-        if len(kids) == 0:
+    for d, level in enumerate(tree.levels):  # static: parents' tokens are set before their children's
+        inner = [int(i) for i in level if tree.children[i][0] >= 0]
+        if not inner:
             continue
-        d = int(tree.depth[i])
-        forced = nodes[:, tree.path_nodes[i][1:d + 1]] if d else None  # [B, d] the path's tokens
-        prop = draft.propose(dcache, rows, next_tokens, pos, k=d + 1, n_valid=n_valid, forced=forced)
-        top = jax.lax.top_k(prop.logits[:, d].astype(jnp.float32), len(kids))[1].astype(jnp.int32)
-        nodes = nodes.at[:, kids].set(draft_to_target(top, d2t).astype(jnp.int32))
-        cache = prop.cache if cache is None else cache  # drafted rows are scratch: any call's cache
-    return nodes, cache
+        if d == 0:
+            lg = root.logits[:, :1].astype(jnp.float32)  # [B, 1, Vd]
+        else:
+            paths = nodes[:, tree.path_nodes[np.asarray(inner)][:, 1:d + 1]]  # [B, F, d]
+            lg = forced_logits(draft, dcache, rows, next_tokens, pos, n_valid, paths)
+        c = tree.children.shape[1]
+        top = draft_to_target(jax.lax.top_k(lg, c)[1], d2t).astype(jnp.int32)  # [B, F, C]
+        for f, i in enumerate(inner):
+            kids = tree.children[i][tree.children[i] >= 0]
+            nodes = nodes.at[:, kids].set(top[:, f, : len(kids)])
+    return nodes, root.cache  # drafted rows are scratch: the root call's cache holds the committed rows
 
 
 def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec: DynamicTreeSpec):
-    """EAGLE-2: scores are the draft's cumulative log-probs (temperature 1, draft vocabulary); each
-    frontier node's log-probs come from a chain proposal teacher-forced along its path."""
+    """EAGLE-2: scores are the draft's cumulative log-probs (temperature 1, draft vocabulary); the
+    frontier of each depth is expanded by one batched teacher-forced proposal."""
     pos = positions + getattr(draft, "token_position_offset", 0)
     d2t = d2t_of(draft)
     root = draft.propose(dcache, rows, next_tokens, pos, k=1, n_valid=n_valid)
 
     def expand(level, paths):  # paths [B, topk, level] draft ids
-        out = []
-        for f in range(paths.shape[1]):
-            forced = draft_to_target(paths[:, f], d2t).astype(jnp.int32)
-            p = draft.propose(dcache, rows, next_tokens, pos, k=level + 1, n_valid=n_valid, forced=forced)
-            out.append(jax.nn.log_softmax(p.logits[:, level].astype(jnp.float32), axis=-1))
-        return jnp.stack(out, axis=1)
+        forced = draft_to_target(paths, d2t).astype(jnp.int32)
+        return jax.nn.log_softmax(forced_logits(draft, dcache, rows, next_tokens, pos, n_valid, forced), axis=-1)
 
     root_logp = jax.nn.log_softmax(root.logits[:, 0].astype(jnp.float32), axis=-1)
     t = dynamic_tree(root_logp, expand, topk=spec.topk, depth=spec.depth, num_nodes=spec.num_nodes)
