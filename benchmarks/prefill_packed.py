@@ -34,7 +34,8 @@ def main():
 
     import numpy as np
 
-    from specjax.decode.generate import generate_ids, packed_length
+    from specjax.decode.batch import packed_length
+    from specjax.decode.generate import generate_ids
     from specjax.models.loading import load_target
 
     lt = load_target("default", progress=False)

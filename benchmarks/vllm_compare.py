@@ -68,7 +68,8 @@ from pathlib import Path
 a = json.loads(sys.argv[1])
 from specjax.models.loading import resolve_target, export_gguf, load_target
 from specjax.decode import bench
-from specjax.decode.generate import bucket, generate_ids
+from specjax.decode.batch import bucket
+from specjax.decode.generate import generate_ids
 import specjax
 kind, gguf = resolve_target("default")
 out = Path(a["hf_dir"])

@@ -47,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.decode.generate import bucket, generate_ids, packed_length
+from specjax.decode.batch import bucket, packed_length
+from specjax.decode.generate import generate_ids
 from specjax.decode.sampling import GREEDY, SamplingParams
 from specjax.decode.spec_stats import SpecStats, alpha_from_tau, predicted_speedup
 from specjax.decode.speculative import Pair, SpecDraft, place_pair, resolve_k, speculative_generate_ids, split_pair

@@ -2,13 +2,13 @@
 
 Layers (each reusable by the speculative loop):
 
-* :func:`prefill` - run right-padded prompts through the target into a fresh :class:`KVCache`,
+* :func:`~specjax.decode.prefill.prefill` - run right-padded prompts through the target into a fresh :class:`KVCache`,
   returning the logits at each prompt's last token (and any tapped hidden states); with
   ``packed_len`` the prompts run back to back in one row, skipping the padding's work.
 * :class:`DecodeState` - the loop carry: output buffer, per-sequence counts/limits/done flags,
   the last emitted token, the cache, the PRNG key.
 * :func:`start` - prefill, then sample and emit the first token (the state both loops start from).
-* :func:`prepare` - host side: validate, right-pad and bucket token-id prompts, per-sequence limits.
+* :func:`~specjax.decode.batch.prepare` - host side: validate, right-pad and bucket token-id prompts, per-sequence limits.
 * :func:`emit` - append a ragged number of new tokens per sequence (k+1 for a speculative step,
   1 here) with EOS / length stopping; tokens past a stop are discarded.
 * :func:`generate_ids` - host entry: pads and buckets shapes, runs the jitted
@@ -33,7 +33,10 @@ from specjax import placement
 from specjax.decode.sampling import GREEDY, SamplingParams, sample
 from specjax.kernels import tpu as kt
 from specjax.models import panels
-from specjax.models.errors import ContextLengthError
+from specjax.decode.batch import (  # noqa: F401  (the loops' host side; also reachable from here)
+    PACK_MAX, Batch, bucket, packed_length, prepare, resolve_packed_len, worth_packing,
+)
+from specjax.decode.prefill import chunked_prefill, prefill  # noqa: F401
 from specjax.models.target import CausalLM, KVCache
 
 TRACE_COUNT = {"generate": 0}  # bumped each time the jitted loop is traced (= compiled)
@@ -49,106 +52,6 @@ class DecodeState(NamedTuple):
     last: jax.Array  # int32 [B]: last emitted token (input of the next step)
     cache: KVCache
     key: jax.Array
-
-
-def prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids: Sequence[int] = (),
-            packed_len: int | None = None, chunk: int | None = None):
-    """prompt_ids int [B, P] right-padded, prompt_lens int [B] >= 1. Writes the prompts into
-    ``cache`` (which must start empty) and sets ``cache.lengths = prompt_lens``. Returns
-    ``(last_logits [B, V], cache, aux)``; aux are [B, P, hidden] per tap id (rows past a
-    prompt's length are not meaningful).
-
-    ``packed_len`` (static): run the prompts back to back in one row of that many tokens
-    (``sum(prompt_lens)`` must fit; the caller checks) instead of ``B`` rows of ``P``: the same
-    result without the padding's work (a batch of 4 chat prompts of 64-195 tokens padded to 224
-    is about half padding).
-
-    ``chunk`` (static, without ``packed_len``): run the prompts ``chunk`` tokens at a time through
-    the cache in a ``lax.while_loop`` of ``ceil(max(prompt_lens) / chunk)`` trips (one compile
-    for the padded length, work proportional to the longest prompt rather than the padding):
-    :func:`chunked_prefill`."""
-    B, P = prompt_ids.shape
-    if packed_len is None and chunk is not None and chunk < P and chunk <= cache.max_len:
-        return chunked_prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, chunk=chunk)
-    if packed_len is None:
-        mask = jnp.arange(P)[None, :] < prompt_lens[:, None]
-        out = model(prompt_ids, positions=jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), prompt_ids.shape),
-                    cache=cache, attention_mask=mask, tap_ids=tap_ids, logits_at=prompt_lens - 1)
-        return out.logits, out.cache, out.aux_hidden_states
-    lens = prompt_lens.astype(jnp.int32)
-    ends = jnp.cumsum(lens)
-    starts = ends - lens
-    t = jnp.arange(packed_len, dtype=jnp.int32)
-    seg = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)  # B past the last prompt
-    valid = seg < B
-    segc = jnp.minimum(seg, B - 1)
-    pos = jnp.where(valid, t - starts[segc], 0)
-    ids = jnp.where(valid, prompt_ids[segc, jnp.minimum(pos, P - 1)], 0)
-    out = model(ids[None], positions=pos[None], cache=cache, segments=seg, tap_ids=tap_ids, logits_at=ends - 1)
-    rows = jnp.minimum(starts[:, None] + jnp.arange(P, dtype=jnp.int32)[None], packed_len - 1)  # [B, P] -> row slot
-    return out.logits, out.cache, tuple(a[0][rows] for a in out.aux_hidden_states)
-
-
-def chunked_prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids: Sequence[int] = (),
-                    chunk: int):
-    """:func:`prefill` ``chunk`` tokens at a time: trip ``i`` writes positions ``i*chunk ..
-    (i+1)*chunk - 1`` of every row into the cache (queries see the earlier trips' slots), and the
-    loop stops after the longest prompt's last chunk, so a bucket padded far past its prompts
-    costs only the prompts' chunks. Padding tokens of a shorter row land past its length, where
-    nothing reads them (the cache contract). Equal to the one-pass prefill up to float
-    reassociation; the aux rows come back ``[B, P, hidden]`` as there."""
-    B, P = prompt_ids.shape
-    C = int(chunk)
-    n_layers = model.config.num_hidden_layers
-    taps = tuple(int(t) for t in tap_ids)
-    want = taps if n_layers in taps else taps + (n_layers,)
-    trips = -(-P // C)
-    ids = jnp.pad(prompt_ids, ((0, 0), (0, trips * C - P)))
-    ar = jnp.arange(C, dtype=jnp.int32)
-    lens = prompt_lens.astype(jnp.int32)
-
-    def fwd(i, cache):
-        s = i * C
-        x = jax.lax.dynamic_slice_in_dim(ids, s, C, axis=1)
-        pos = jnp.broadcast_to(s + ar, (B, C))
-        out = model(x, positions=pos, cache=cache, tap_ids=want, return_logits=False)
-        return out.cache, dict(zip(want, out.aux_hidden_states))
-
-    shapes = jax.eval_shape(lambda c: fwd(jnp.zeros((), jnp.int32), c)[1], cache)
-    aux0 = tuple(jnp.zeros((B, trips * C, shapes[t].shape[-1]), shapes[t].dtype) for t in taps)
-    h0 = jnp.zeros((B, shapes[n_layers].shape[-1]), shapes[n_layers].dtype)
-
-    def body(c):
-        i, cache, aux, h = c
-        cache, hs = fwd(i, cache)
-        aux = tuple(jax.lax.dynamic_update_slice_in_dim(a, hs[t], i * C, axis=1) for a, t in zip(aux, taps))
-        j = lens - 1 - i * C  # the last prompt token's index in this chunk
-        here = (j >= 0) & (j < C)
-        last = jnp.take_along_axis(hs[n_layers], jnp.clip(j, 0, C - 1)[:, None, None], axis=1)[:, 0]
-        return i + 1, cache, aux, jnp.where(here[:, None], last, h)
-
-    n_trips = (jnp.max(lens) + C - 1) // C
-    _, cache, aux, h = jax.lax.while_loop(lambda c: c[0] < n_trips, body, (jnp.zeros((), jnp.int32), cache, aux0, h0))
-    return model.head(h), cache.rollback(lens), tuple(a[:, :P] for a in aux)
-
-
-PACK_MAX = 2048  # longest packed prefill row: its attention scores are [heads, T, T]
-
-
-def worth_packing(packed_len: int, batch: int, padded_len: int) -> bool:
-    """A packed prefill row of ``packed_len`` tokens replaces ``batch`` rows of ``padded_len``
-    when it is shorter and at most :data:`PACK_MAX` long (its attention is quadratic in the
-    row, so many short prompts stay padded)."""
-    return batch > 1 and packed_len < batch * padded_len and packed_len <= PACK_MAX
-
-
-def packed_length(lens: Sequence[int], padded_len: int) -> int | None:
-    """The packed-prefill row length for prompts of ``lens`` right-padded to ``padded_len`` (see
-    :func:`prefill`): ``sum(lens)`` rounded up to a multiple of ``padded_len`` (so one padded
-    length has at most ``len(lens) - 1`` packed variants to compile), or None (keep the padded
-    layout) unless :func:`worth_packing`."""
-    n = bucket(sum(int(x) for x in lens), padded_len)
-    return n if worth_packing(n, len(lens), padded_len) else None
 
 
 def is_eos(tokens, eos_ids):
@@ -382,69 +285,6 @@ class GenerationResult:
     tokens: list[list[int]]  # generated ids per sequence (EOS included when it stopped the sequence)
     stop_reasons: list[str]  # "eos" | "length"
     prompt_lengths: list[int]
-
-
-def bucket(n: int, multiple: int = 32) -> int:
-    return max(multiple, -(-n // multiple) * multiple)
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Host-side prepared prompts: right-padded ids, lengths, per-sequence token limits."""
-
-    ids: np.ndarray  # int32 [B, P]
-    lens: np.ndarray  # int32 [B]
-    limits: np.ndarray  # int32 [B]
-    eos: tuple  # EOS ids
-    pad: int
-    context_length: int
-
-    @property
-    def padded_len(self) -> int:
-        return int(self.ids.shape[1])
-
-
-def prepare(config, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Sequence[int] | None = None,
-            pad_id: int | None = None, context_length: int | None = None, prompt_bucket: int = 32,
-            limit: int | None = None) -> Batch:
-    """Validate and pad token-id prompts for the jitted loops (shared with speculative decoding).
-    ``limit``: a lower cap than ``max_new_tokens`` on each sequence's tokens (a runtime value: the
-    loop compiled for ``max_new_tokens`` runs it)."""
-    cfg = config
-    if not prompts:
-        raise ValueError("no prompts given")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if limit is not None and not 1 <= int(limit) <= max_new_tokens:
-        raise ValueError(f"limit must be in 1..max_new_tokens ({max_new_tokens}), got {limit}")
-    ctx = int(context_length or cfg.max_position_embeddings)
-    lens = [len(p) for p in prompts]
-    for i, n in enumerate(lens):
-        if n == 0:
-            raise ValueError(f"prompt {i} is empty; expected at least one token")
-        if n >= ctx:
-            raise ContextLengthError(f"prompt {i} has {n} tokens; the context length is {ctx}, so at most {ctx - 1} "
-                                     f"prompt tokens leave room to generate", key="prompt")
-    eos = tuple(int(t) for t in (cfg.eos_token_ids if eos_token_ids is None else eos_token_ids))
-    pad = int(pad_id if pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else (eos or (0,))[0]))
-    P = min(bucket(max(lens), prompt_bucket), ctx)
-    ids = np.full((len(prompts), P), pad, np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = np.asarray(p, np.int32)
-    cap = max_new_tokens if limit is None else int(limit)
-    limits = np.asarray([min(cap, ctx - n) for n in lens], np.int32)
-    return Batch(ids, np.asarray(lens, np.int32), limits, eos, pad, ctx)
-
-
-def resolve_packed_len(packed_len: int | str | None, b: "Batch") -> int | None:
-    """``packed_len`` of :func:`generate_ids` for the prepared batch ``b`` (checked to fit)."""
-    if packed_len == "auto":
-        return packed_length(b.lens.tolist(), b.padded_len)
-    if packed_len is not None:
-        packed_len, total = int(packed_len), int(b.lens.sum())
-        if total > packed_len:
-            raise ValueError(f"packed_len {packed_len} is shorter than the prompts together ({total} tokens)")
-    return packed_len
 
 
 def cache_dtype_of(model: CausalLM):

@@ -196,7 +196,7 @@ def extract_program(p: PlanInputs) -> Program:
 
 
 def _decode_batch(p: PlanInputs):
-    from specjax.decode.generate import prepare
+    from specjax.decode.batch import prepare
 
     B = 1 if p.batch is None else int(p.batch)
     if B < 1:

@@ -32,7 +32,7 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.safetensors_io import SafetensorsFile, write_safetensors
-from specjax.decode.generate import bucket as round_up
+from specjax.decode.batch import bucket as round_up
 from specjax.train.dataset import TokenRows
 from specjax.train.errors import HiddenStateCacheError
 

@@ -16,7 +16,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from specjax.decode.generate import bucket as round_up
+from specjax.decode.batch import bucket as round_up
 from specjax.processes import process_count
 from specjax.train.errors import TrainError
 from specjax.train.hidden_states import make_tap_fn

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.decode.generate import bucket, generate_padded
+from specjax.decode.batch import bucket
+from specjax.decode.generate import generate_padded
 from specjax.decode.sampling import SamplingParams
 from specjax.models import panels
 
