@@ -33,15 +33,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
+import specjax.sharding as shd
 from bridge.atomic import atomic_file
 from specjax.train import dataset as ds
 from specjax.train.errors import DatasetError
 from specjax.train.hidden_states import (
-    HS_DIR, cache_layer_ids, default_aux_layer_ids, extract_hidden_states, hs_path, is_complete, read_hs, write_hs,
+    DTYPES, HS_DIR, cache_layer_ids, default_aux_layer_ids, extract_hidden_states, hs_path, is_complete, read_hs,
+    write_hs,
 )
-from specjax.train.prompts import Conversation, PretokenizedRow, Record, resolve_prompts
+from specjax.train.prompts import Conversation, PretokenizedRow, Record, resolve_prompts, write_prompt_file
 from specjax.train.render import BoundaryUnstableError, conversation_rows, render_ids
 from specjax.train.vocab import (
     TOKEN_FREQ_NAME, build_vocab_mapping, save_token_freq, save_vocab_mapping, token_frequencies,
@@ -118,14 +121,37 @@ def _staging(data_dir: Path, c: int, t: int) -> Path:
     return data_dir / HS_DIR / STAGING / f"c{c}_t{t}.safetensors"
 
 
+def _generate_round(lt, todo: list[int], prompts: list[list[int]], r: int, n_rounds: int, data_dir: Path,
+                    spec: DataSpec, sampling, layer_ids, progress):
+    """One round's batched generation: the target answers ``prompts`` (conversations ``todo``, turn
+    ``r``) and each answer's row and hidden states land in its staging file as its batch finishes."""
+    from specjax.train import selfdistill  # flax, the target and the generate loop: only when answers are written
+
+    tok = lt.tokenizer
+    meta_base = {"layer_ids": ",".join(map(str, layer_ids)), "target": str(lt.source), "format": "pt"}
+    eos = lt.eos_token_ids
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+
+    def on_batch(idx, res):
+        for k, g in zip(idx, res):
+            c = todo[k]
+            text = tok.decode(g.token_ids, skip_special_tokens=True)
+            row = (g.prompt_ids + g.token_ids)[: spec.seq_length]
+            hs = g.hidden_states[: len(row)]
+            m = dict(meta_base, prompt_len=str(len(g.prompt_ids)), text=text, stop=g.stop_reason)
+            write_hs(_staging(data_dir, c, r), hs, np.asarray(row, np.int64), metadata=m)
+
+    return selfdistill.generate_with_hidden_states(
+        lt.model, prompts, max_new_tokens=spec.max_new_tokens, taps=layer_ids, sampling=sampling,
+        seed=spec.seed + r, eos_token_ids=eos, pad_id=pad, batch_size=spec.batch_size,
+        out_dtype=jnp.dtype(DTYPES[spec.hidden_states_dtype]), max_prompt_len=max(len(p) for p in prompts),
+        progress=progress, on_batch=on_batch, desc=f"regenerating (turn {r + 1})" if n_rounds > 1 else "regenerating")
+
+
 def _regenerate(lt, convs: list[Conversation], data_dir: Path, spec: DataSpec, layer_ids, log, progress):
     """Regenerate assistant turns round by round; returns ``[(conv, turn, staging_path)]`` in
     (conversation, turn) order and the regenerated conversations."""
-    import jax.numpy as jnp
-
-    from specjax.decode.sampling import SamplingParams
-    from specjax.train.hidden_states import DTYPES
-    from specjax.train.selfdistill import generate_with_hidden_states
+    from specjax.decode.sampling import SamplingParams  # imports flax (via specjax.models): only when regenerating
 
     tok = lt.tokenizer
     base, ends = [], []
@@ -137,9 +163,6 @@ def _regenerate(lt, convs: list[Conversation], data_dir: Path, spec: DataSpec, l
     cursor = [0] * len(convs)  # how much of base[c] is in histories[c]
     out: list[tuple[int, int, Path]] = []
     sampling = SamplingParams(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
-    meta_base = {"layer_ids": ",".join(map(str, layer_ids)), "target": str(lt.source), "format": "pt"}
-    eos = lt.eos_token_ids
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
     n_rounds = max((len(e) for e in ends), default=0)
     skipped_long = 0
     for r in range(n_rounds):
@@ -164,21 +187,7 @@ def _regenerate(lt, convs: list[Conversation], data_dir: Path, spec: DataSpec, l
             prompts.append(ids)
         if not todo:
             continue
-
-        def on_batch(idx, res, todo=todo, r=r):
-            for k, g in zip(idx, res):
-                c = todo[k]
-                text = tok.decode(g.token_ids, skip_special_tokens=True)
-                row = (g.prompt_ids + g.token_ids)[: spec.seq_length]
-                hs = g.hidden_states[: len(row)]
-                m = dict(meta_base, prompt_len=str(len(g.prompt_ids)), text=text, stop=g.stop_reason)
-                write_hs(_staging(data_dir, c, r), hs, np.asarray(row, np.int64), metadata=m)
-
-        res = generate_with_hidden_states(
-            lt.model, prompts, max_new_tokens=spec.max_new_tokens, taps=layer_ids, sampling=sampling,
-            seed=spec.seed + r, eos_token_ids=eos, pad_id=pad, batch_size=spec.batch_size,
-            out_dtype=jnp.dtype(DTYPES[spec.hidden_states_dtype]), max_prompt_len=max(len(p) for p in prompts),
-            progress=progress, on_batch=on_batch, desc=f"regenerating (turn {r + 1})" if n_rounds > 1 else "regenerating")
+        res = _generate_round(lt, todo, prompts, r, n_rounds, data_dir, spec, sampling, layer_ids, progress)
         for k, g in enumerate(res):
             c = todo[k]
             histories[c].append({"role": "assistant", "content": tok.decode(g.token_ids, skip_special_tokens=True)})
@@ -189,19 +198,10 @@ def _regenerate(lt, convs: list[Conversation], data_dir: Path, spec: DataSpec, l
     return out, histories
 
 
-def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress: bool = True,
-                 log: Callable[[str], None] | None = None, records: list[Record] | None = None) -> dict:
-    """Build (or resume building) a data directory. ``target``: a ``LoadedTarget``; ``records``:
-    the prompt records when the caller has read them already (:func:`spec_prompts`), else they
-    are read here, before the directory is created.
-
-    Multi-process runs (``jax.distributed``): hidden-state extraction is split over every process's
-    devices and process 0 alone writes files; regenerating answers is refused there (it runs on one
-    host, over all of that host's devices): prepare on one host, then train multi-host."""
-    import specjax.sharding as shd
-
-    t0 = time.perf_counter()
-    main = shd.is_main_process()
+def _check_inputs(out_dir, spec: DataSpec, lt, records: list[Record] | None):
+    """Every refusal that comes before the directory is touched (regeneration over several
+    processes, a complete directory, a bad prompt input, no tokenizer, bad layer ids, a draft
+    vocabulary larger than the target's); returns the records, the aux and the cached layer ids."""
     if spec.regenerate and shd.process_count() > 1:
         raise DatasetError(f"regenerating answers runs in one process; this run has {shd.process_count()} "
                            "processes. Run `specjax data prepare` on one host (it uses all local devices), or "
@@ -212,7 +212,6 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
     if meta.get("complete"):
         raise DatasetError("this data directory is already complete; use another --out (or delete it)", path=str(d))
     records = spec_prompts(spec) if records is None else records
-    lt = target
     cfg = lt.config
     if lt.tokenizer is None:
         raise DatasetError("the target has no tokenizer; chat rendering needs one", key="target")
@@ -222,14 +221,13 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
     if spec.draft_vocab_size is not None and spec.draft_vocab_size > cfg.vocab_size:
         raise DatasetError(f"draft_vocab_size {spec.draft_vocab_size} is larger than the target vocabulary "
                            f"({cfg.vocab_size})", key="draft_vocab_size")
-    if main:
-        d.mkdir(parents=True, exist_ok=True)
-    shd.sync("specjax-prepare-dir")
-    convs = [r for r in records if not isinstance(r, PretokenizedRow)]
-    pretok = [r for r in records if isinstance(r, PretokenizedRow)]
-    # a spec file guards against resuming with other settings
+    return records, aux, layer_ids
+
+
+def _check_resume(d: Path, spec_doc: dict, main: bool) -> None:
+    """Whether a partial build here was made with these settings (refused if not); a fresh build
+    writes the spec file that guards it."""
     spec_p = d / "prepare_spec.json"
-    spec_doc = {"spec": asdict(spec), "target": str(lt.source), "layer_ids": layer_ids}
     if spec_p.is_file():
         old = json.loads(spec_p.read_text(encoding="utf-8"))
         old["spec"] = {**asdict(DataSpec()), **old.get("spec", {})}  # fields added since keep their defaults
@@ -241,7 +239,13 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
     elif main:
         with atomic_file(spec_p, text=True) as f:
             f.write(json.dumps(spec_doc, indent=2, sort_keys=True))
-    sources: list[tuple[str, object]] = []  # ("staged", path) | ("row", (ids, mask))
+
+
+def _row_sources(lt, convs: list[Conversation], pretok: list[PretokenizedRow], d: Path, spec: DataSpec, layer_ids,
+                 log, progress) -> tuple[list[tuple[str, object]], list[Conversation]]:
+    """Where each training row comes from: a staged regenerated turn or a rendered / pretokenized
+    row (``("staged", path) | ("row", (ids, mask))``), and the conversations as regenerated."""
+    sources: list[tuple[str, object]] = []
     regenerated = convs
     if spec.regenerate and convs:
         staged, regenerated = _regenerate(lt, convs, d, spec, layer_ids, log, progress)
@@ -262,7 +266,12 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
             sources.append(("row", (ids, mask)))
     if not sources:
         raise DatasetError("no training rows: every prompt was empty, unsupervised or too long", key="prompts")
-    perm = np.random.default_rng(spec.seed).permutation(len(sources))
+    return sources, regenerated
+
+
+def _assemble_rows(d: Path, sources: list[tuple[str, object]], perm) -> ds.TokenRows:
+    """The rows in their final order (``perm``); a staged turn's hidden-state file becomes
+    ``hs_{i}`` (moved once every row is read; a file an interrupted assembly moved is read there)."""
     rows = ds.TokenRows()
     moves = []
     for i, j in enumerate(perm):
@@ -271,13 +280,11 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
             final = hs_path(d, i)
             if src.is_file():
                 rec = read_hs(src)
-                ids = np.asarray(rec.token_ids)
-                plen = int(rec.metadata.get("prompt_len", "0"))
                 moves.append((src, final))
             else:  # moved by an earlier, interrupted assembly
                 rec = read_hs(final)
-                ids = np.asarray(rec.token_ids)
-                plen = int(rec.metadata.get("prompt_len", "0"))
+            ids = np.asarray(rec.token_ids)
+            plen = int(rec.metadata.get("prompt_len", "0"))
             mask = np.zeros(len(ids), np.int64)
             mask[plen:] = 1
             rows.append(ids, mask)
@@ -285,11 +292,46 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
             rows.append(*src)
     for src, dst in moves:
         os.replace(src, dst)
+    return rows
+
+
+def _write_vocab(d: Path, rows: ds.TokenRows, spec: DataSpec, vocab_size: int, main: bool) -> dict:
+    """The supervised-token frequencies (written) and, with a draft vocabulary size, t2d/d2t."""
+    freq = token_frequencies(rows)
+    if main:
+        save_token_freq(d / TOKEN_FREQ_NAME, freq)
+        if spec.draft_vocab_size is not None:
+            save_vocab_mapping(d, *build_vocab_mapping(freq, spec.draft_vocab_size, vocab_size))
+    return freq
+
+
+def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress: bool = True,
+                 log: Callable[[str], None] | None = None, records: list[Record] | None = None) -> dict:
+    """Build (or resume building) a data directory. ``target``: a ``LoadedTarget``; ``records``:
+    the prompt records when the caller has read them already (:func:`spec_prompts`), else they
+    are read here, before the directory is created.
+
+    Multi-process runs (``jax.distributed``): hidden-state extraction is split over every process's
+    devices and process 0 alone writes files; regenerating answers is refused there (it runs on one
+    host, over all of that host's devices): prepare on one host, then train multi-host."""
+    t0 = time.perf_counter()
+    main = shd.is_main_process()
+    records, aux, layer_ids = _check_inputs(out_dir, spec, target, records)
+    d, lt = Path(out_dir), target
+    cfg = lt.config
+    if main:
+        d.mkdir(parents=True, exist_ok=True)
+    shd.sync("specjax-prepare-dir")
+    convs = [r for r in records if not isinstance(r, PretokenizedRow)]
+    pretok = [r for r in records if isinstance(r, PretokenizedRow)]
+    # a spec file guards against resuming with other settings
+    _check_resume(d, {"spec": asdict(spec), "target": str(lt.source), "layer_ids": layer_ids}, main)
+    sources, regenerated = _row_sources(lt, convs, pretok, d, spec, layer_ids, log, progress)
+    perm = np.random.default_rng(spec.seed).permutation(len(sources))
+    rows = _assemble_rows(d, sources, perm)
     if main:
         ds.write_rows(d, rows)
     if regenerated is not convs:
-        from specjax.train.prompts import write_prompt_file
-
         write_prompt_file(d / "conversations.jsonl", regenerated)
     plain = [i for i, j in enumerate(perm) if sources[int(j)][0] == "row"]
     ext = None
@@ -297,17 +339,13 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
         ext = extract_hidden_states(lt.model, rows, d, aux_layer_ids=aux, dtype=spec.hidden_states_dtype,
                                     max_batch_tokens=spec.max_batch_tokens, indices=plain, progress=progress,
                                     target_name=str(lt.source), log=log)
-    freq = token_frequencies(rows)
-    if main:
-        save_token_freq(d / TOKEN_FREQ_NAME, freq)
-        if spec.draft_vocab_size is not None:
-            save_vocab_mapping(d, *build_vocab_mapping(freq, spec.draft_vocab_size, cfg.vocab_size))
+    freq = _write_vocab(d, rows, spec, cfg.vocab_size, main)
     staging = d / HS_DIR / STAGING
     if main and staging.is_dir() and not any(staging.iterdir()):
         staging.rmdir()
     out = {
         "format": FORMAT, "complete": True, "target": str(lt.source), "target_kind": lt.kind,
-        "num_hidden_layers": n, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
         "aux_layer_ids": aux, "layer_ids": layer_ids, "hidden_states_dtype": spec.hidden_states_dtype,
         "rows": len(rows), "tokens": int(rows.lengths.sum()), "supervised_tokens": rows.supervised_tokens(),
         "distinct_supervised_tokens": len(freq), "prompts": spec.prompts, "regenerate": spec.regenerate,
