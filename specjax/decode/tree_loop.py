@@ -40,6 +40,7 @@ from flax import nnx
 
 from specjax import placement
 from specjax.decode.generate import DecodeState, cache_dtype_of, emit, prepare, start
+from specjax.decode.accept import draft_probs
 from specjax.decode.sampling import SamplingParams
 from specjax.decode.speculative import GREEDY, Pair, SpecResult, as_spec_draft, draft_dtype_of, split_pair
 from specjax.decode.spec_stats import SpecStats
@@ -87,6 +88,7 @@ class Drafted(NamedTuple):
     depth: jax.Array  # int32 [B, N+1]
     mask: jax.Array  # bool [B, N+1, N+1]: ancestor-or-self
     children: jax.Array  # int32 [B, N+1, C]
+    q: jax.Array  # f32 [B, N+1, V]: the distribution each node was drawn from (sampled proposals), else [1]
 
 
 class TreeState(NamedTuple):
@@ -106,15 +108,21 @@ def check_tree_draft(draft) -> None:
                              key="tree")
 
 
-def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree) -> tuple[Drafted, Any]:
+def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree, *, sample: SamplingParams | None = None,
+                 key=None, vocab_size: int = 0) -> tuple[Drafted, Any]:
     """Draft ``tree`` (static or dynamic) after the committed rows (the arguments of
-    ``draft.speculate``). Returns the :class:`Drafted` tree and the draft cache."""
+    ``draft.speculate``). ``sample`` (static trees): children are i.i.d. draws from the draft's
+    distribution processed by ``sample`` (over ``vocab_size`` target ids), else the top-c tokens
+    (point masses). Returns the :class:`Drafted` tree and the draft cache."""
     if isinstance(tree, DynamicTreeSpec):
+        if sample is not None:
+            raise ValueError("a dynamic tree takes the draft's top-k children (draft_sampling='greedy'), not samples")
         return _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, tree)
-    nodes, cache = _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree)
+    nodes, q, cache = _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree, sample, key,
+                                      vocab_size)
     B = nodes.shape[0]
     bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (B, *a.shape))  # noqa: E731
-    return Drafted(nodes, bc(tree.depth), bc(tree.mask), bc(tree.children)), cache
+    return Drafted(nodes, bc(tree.depth), bc(tree.mask), bc(tree.children), q), cache
 
 
 def forced_logits(draft, dcache, rows, next_tokens, pos, n_valid, paths):
@@ -129,15 +137,18 @@ def forced_logits(draft, dcache, rows, next_tokens, pos, n_valid, paths):
     return prop.logits[:, d].astype(jnp.float32).reshape(B, F, -1)
 
 
-def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: TokenTree):
-    """Node i's children (rank order) are the draft's top-c tokens after the root-to-i path; the
-    internal nodes of one depth share one batched proposal (:func:`forced_logits`). Returns
-    (nodes int32 [B, N+1] target ids, column 0 zero; the draft cache)."""
+def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: TokenTree, sample, key,
+                    vocab_size: int):
+    """Node i's children (rank order) are the draft's top-c tokens after the root-to-i path (or
+    i.i.d. draws from its processed distribution, ``sample``); the internal nodes of one depth share
+    one batched proposal (:func:`forced_logits`). Returns (nodes int32 [B, N+1] target ids,
+    column 0 zero; q f32 [B, N+1, V] or [1]; the draft cache)."""
     B = next_tokens.shape[0]
     pos = positions + getattr(draft, "token_position_offset", 0)
     d2t = d2t_of(draft)
     root = draft.propose(dcache, rows, next_tokens, pos, k=1, n_valid=n_valid)
     nodes = jnp.zeros((B, tree.num_nodes + 1), jnp.int32)
+    node_q = jnp.zeros((1,), jnp.float32) if sample is None else jnp.zeros((B, tree.num_nodes + 1, vocab_size))
     for d, level in enumerate(tree.levels):  # static: parents' tokens are set before their children's
         inner = [int(i) for i in level if tree.children[i][0] >= 0]
         if not inner:
@@ -148,11 +159,18 @@ def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: 
             paths = nodes[:, tree.path_nodes[np.asarray(inner)][:, 1:d + 1]]  # [B, F, d]
             lg = forced_logits(draft, dcache, rows, next_tokens, pos, n_valid, paths)
         c = tree.children.shape[1]
-        top = draft_to_target(jax.lax.top_k(lg, c)[1], d2t).astype(jnp.int32)  # [B, F, C]
+        if sample is None:
+            top = draft_to_target(jax.lax.top_k(lg, c)[1], d2t).astype(jnp.int32)  # [B, F, C]
+        else:
+            q = draft_probs(lg, sample, d2t=d2t, vocab_size=vocab_size)  # [B, F, V]
+            top = jax.random.categorical(jax.random.fold_in(key, d), jnp.log(q)[:, :, None, :], axis=-1,
+                                         shape=(B, len(inner), c)).astype(jnp.int32)  # i.i.d., with replacement
         for f, i in enumerate(inner):
             kids = tree.children[i][tree.children[i] >= 0]
             nodes = nodes.at[:, kids].set(top[:, f, : len(kids)])
-    return nodes, root.cache  # drafted rows are scratch: the root call's cache holds the committed rows
+            if sample is not None:
+                node_q = node_q.at[:, kids].set(jnp.broadcast_to(q[:, f, None], (B, len(kids), vocab_size)))
+    return nodes, node_q, root.cache  # drafted rows are scratch: the root call's cache holds the committed rows
 
 
 def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec: DynamicTreeSpec):
@@ -170,21 +188,32 @@ def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec:
     t = dynamic_tree(root_logp, expand, topk=spec.topk, depth=spec.depth, num_nodes=spec.num_nodes)
     B = t.tokens.shape[0]
     tokens = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), draft_to_target(t.tokens, d2t).astype(jnp.int32)], 1)
-    return Drafted(tokens, t.depth, t.mask, t.children), root.cache
+    return Drafted(tokens, t.depth, t.mask, t.children, jnp.zeros((1,), jnp.float32)), root.cache
+
+
+def _proposal_sampling(sampling: SamplingParams, draft_sampling: str) -> SamplingParams | None:
+    if draft_sampling not in ("greedy", "sample"):
+        raise ValueError(f"draft_sampling must be 'greedy' or 'sample', got {draft_sampling!r}")
+    return None if sampling.greedy or draft_sampling == "greedy" else sampling
 
 
 def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree, sampling: SamplingParams,
-               pad_id: int) -> TreeState:
+               pad_id: int, draft_sampling: str = "greedy") -> TreeState:
     """One round: verify, accept, commit, hand-off (module docstring)."""
     D = tree.max_depth
+    V = target.config.vocab_size
     taps = tuple(draft.tap_ids(target.config.num_hidden_layers))
     d = s.dec
-    nkey, ka = jax.random.split(d.key)
+    sample = _proposal_sampling(sampling, draft_sampling)
+    if sample is None:
+        (nkey, ka), kd = jax.random.split(d.key), None
+    else:
+        nkey, ka, kd = jax.random.split(d.key, 3)
     L = d.cache.lengths
     t = s.tree
     nodes = t.tokens.at[:, 0].set(d.last)
     out = target(nodes, cache=d.cache, tree_mask=t.mask, positions=L[:, None] + t.depth, tap_ids=taps)
-    res = accept_tree(ka, out.logits, nodes, t.children, D, None, sampling)
+    res = accept_tree(ka, out.logits, nodes, t.children, D, None if sample is None else t.q, sampling)
     live = ~d.done
     n_commit = jnp.where(live, res.num_accepted + 1, 0).astype(jnp.int32)
     cache = compact_cache(out.cache, L, res.path, res.num_accepted).rollback(L + n_commit)
@@ -194,13 +223,14 @@ def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree, sampling
     path = jnp.maximum(res.path, 0)  # [B, D+1] (padding: the root; past n_commit, not read)
     rows = jax.tree_util.tree_map(lambda a: jnp.take_along_axis(a, path[..., None], axis=1),
                                   draft.aux_from_taps(out.aux_hidden_states))
-    nxt, dcache = propose_tree(draft, s.dcache, rows, res.tokens, L[:, None] + ar[None], n_commit, tree)
+    nxt, dcache = propose_tree(draft, s.dcache, rows, res.tokens, L[:, None] + ar[None], n_commit, tree,
+                               sample=sample, key=kd, vocab_size=V)
     return TreeState(d, dcache, nxt, hist)
 
 
 def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos_ids, *, tree,
               sampling: SamplingParams, max_new_tokens: int, max_len: int, draft_len: int, pad_id: int, cache_dtype,
-              draft_dtype) -> TreeState:
+              draft_dtype, draft_sampling: str = "greedy") -> TreeState:
     """The traced program: prefill, first token, the draft ingests the prompt rows and drafts the
     first tree, then ``lax.while_loop`` over :func:`tree_round`."""
     B, P = prompt_ids.shape
@@ -211,29 +241,36 @@ def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
     nxt = nxt.at[jnp.arange(B), prompt_lens - 1].set(dec.last.astype(prompt_ids.dtype))
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     dcache = draft.init_cache(B, kt.cache_slots(draft_len), draft_dtype)
-    drafted, dcache = propose_tree(draft, dcache, draft.aux_from_taps(aux), nxt, pos, prompt_lens, tree)
+    sample, kd = _proposal_sampling(sampling, draft_sampling), None
+    if sample is not None:
+        kd, dkey = jax.random.split(dec.key)
+        dec = dec._replace(key=dkey)
+    drafted, dcache = propose_tree(draft, dcache, draft.aux_from_taps(aux), nxt, pos, prompt_lens, tree,
+                                   sample=sample, key=kd, vocab_size=target.config.vocab_size)
     st = TreeState(dec, dcache, drafted, jnp.zeros((B, tree.max_depth + 1), jnp.int32))
 
     def cond(s: TreeState):
         return (s.dec.step < max_new_tokens - 1) & ~jnp.all(s.dec.done)
 
     def body(s: TreeState):
-        return tree_round(target, draft, s, eos_ids, tree=tree, sampling=sampling, pad_id=pad_id)
+        return tree_round(target, draft, s, eos_ids, tree=tree, sampling=sampling, pad_id=pad_id,
+                          draft_sampling=draft_sampling)
 
     return jax.lax.while_loop(cond, body, st)
 
 
 _STATIC = ("graphdef", "tree", "sampling", "max_new_tokens", "max_len", "draft_len", "pad_id", "cache_dtype",
-           "draft_dtype", "trace", "platform")
+           "draft_dtype", "draft_sampling", "trace", "platform")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _tree_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, *, tree, sampling, max_new_tokens,
-              max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace=False, platform=None):  # noqa: ARG001
+              max_len, draft_len, pad_id, cache_dtype, draft_dtype, draft_sampling="greedy", trace=False,
+              platform=None):  # noqa: ARG001
     pair = nnx.merge(graphdef, state)
     st = tree_core(pair.target, pair.draft, prompt_ids, prompt_lens, limits, key, eos_ids, tree=tree,
                    sampling=sampling, max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len,
-                   pad_id=pad_id, cache_dtype=cache_dtype, draft_dtype=draft_dtype)
+                   pad_id=pad_id, cache_dtype=cache_dtype, draft_dtype=draft_dtype, draft_sampling=draft_sampling)
     out = {"tokens": st.dec.tokens, "num_tokens": st.dec.num_tokens, "eos_hit": st.dec.eos_hit, "hist": st.hist,
            "rounds": st.dec.step}
     if trace:
@@ -244,13 +281,18 @@ def _tree_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, *,
 def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]], *, tree, max_new_tokens: int = 64,
                       sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
                       pad_id: int | None = None, context_length: int | None = None,
-                      prompt_bucket: int = 32, trace: bool = False) -> SpecResult:
+                      prompt_bucket: int = 32, draft_sampling: str = "greedy", trace: bool = False) -> SpecResult:
     """Tree speculative generation over token-id prompts; output as
     :func:`specjax.decode.speculative.speculative_generate_ids` (``stats`` per tree depth: the
     histogram of accepted drafted nodes per round). ``tree``: a :class:`TokenTree` or vLLM's
-    ``speculative_token_tree`` path list (or its string), or a :class:`DynamicTreeSpec`. ``trace``: also return the final target
-    KV cache (``res.trace["target_cache"]``, tests)."""
+    ``speculative_token_tree`` path list (or its string), or a :class:`DynamicTreeSpec`.
+    ``draft_sampling``: "greedy" (each node's children are the draft's top-c tokens: point masses)
+    or "sample" (static trees at temperature > 0: i.i.d. draws from the draft's processed
+    distribution, SpecInfer's multi-candidate rule with the parent's q). ``trace``: also return the
+    final target KV cache (``res.trace["target_cache"]``, tests)."""
     tree = as_tree(tree)
+    if _proposal_sampling(sampling, draft_sampling) is not None and isinstance(tree, DynamicTreeSpec):
+        raise ValueError("a dynamic tree takes the draft's top-k children (draft_sampling='greedy'), not samples")
     sd = as_spec_draft(draft)
     check_tree_draft(sd.module)
     b = prepare(target.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
@@ -263,7 +305,8 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
     out = _tree_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
                     jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), tree=tree, sampling=sampling,
                     max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len), pad_id=b.pad,
-                    cache_dtype=cache_dtype_of(target), draft_dtype=draft_dtype_of(sd.module), trace=bool(trace),
+                    cache_dtype=cache_dtype_of(target), draft_dtype=draft_dtype_of(sd.module),
+                    draft_sampling=draft_sampling, trace=bool(trace),
                     platform=placement.platform_of(state))
     out = jax.device_get(out)
     n = len(prompts)

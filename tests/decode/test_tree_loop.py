@@ -165,15 +165,18 @@ def peaked_pair(tmp_path_factory):
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(temperature=1.0,
                                                                                                   top_p=0.9)],
                          ids=["t0.6_p0.9", "t1_p0.9"])
-@pytest.mark.parametrize("tree", ["vllm", DynamicTreeSpec(topk=2, depth=2, num_nodes=4)], ids=["vllm", "dynamic"])
-def test_sampled_tree_loop_is_lossless(peaked_pair, sampling, tree):
+@pytest.mark.parametrize("tree,draft_sampling", [("vllm", "greedy"), (DynamicTreeSpec(topk=2, depth=2, num_nodes=4),
+                                                                        "greedy"), ("vllm", "sample")],
+                         ids=["vllm", "dynamic", "vllm_iid"])
+def test_sampled_tree_loop_is_lossless(peaked_pair, sampling, tree, draft_sampling):
     """The first three tokens of 20 000 tree-loop samples (vLLM's tree, and a dynamic tree: two
-    siblings at depth 1, point-mass proposals) follow the target's exact joint distribution
-    (chi-square)."""
+    siblings at depth 1; point-mass proposals, and i.i.d. sampled ones on vLLM's tree) follow the
+    target's exact joint distribution (chi-square)."""
     target, draft = peaked_pair
     prompt = [5, 6, 7]
     res = tree_generate_ids(target, draft, [prompt] * N_SAMPLES, tree=TREES.get(tree, tree), max_new_tokens=3,
-                            eos_token_ids=[], sampling=sampling, seed=4, prompt_bucket=4)
+                            eos_token_ids=[], sampling=sampling, seed=4, prompt_bucket=4,
+                            draft_sampling=draft_sampling)
     toks = np.asarray(res.tokens)
     assert toks.shape == (N_SAMPLES, 3)
     total = res.stats.total
@@ -187,7 +190,7 @@ def test_sampled_tree_loop_is_lossless(peaked_pair, sampling, tree):
     assert big.sum() >= 20, big.sum()
     o, e = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
     pval = float(stats.chisquare(o, e * o.sum() / e.sum()).pvalue)
-    print(f"tree loop chi-square {tree} {sampling}: p = {pval:.4f} over {big.sum()} cells, accepted-nodes {total.tolist()}")
+    print(f"tree loop chi-square {tree} {draft_sampling} {sampling}: p = {pval:.4f} over {big.sum()} cells, accepted-nodes {total.tolist()}")
     assert pval > 0.01, pval
 
 
@@ -197,3 +200,13 @@ def test_dynamic_tree_spec_is_validated():
         DynamicTreeSpec(topk=2, depth=2, num_nodes=7)
     with pytest.raises(ValueError, match="topk >= 1"):
         DynamicTreeSpec(topk=0, depth=2, num_nodes=1)
+
+
+def test_sampled_proposals_need_a_static_tree(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="a dynamic tree takes the draft's top-k children"):
+        tree_generate_ids(target, draft, PROMPTS[:1], tree=DynamicTreeSpec(2, 2, 3), max_new_tokens=4,
+                          sampling=SamplingParams(temperature=1.0), draft_sampling="sample")
+    with pytest.raises(ValueError, match="draft_sampling must be 'greedy' or 'sample'"):
+        tree_generate_ids(target, draft, PROMPTS[:1], tree=TREES["vllm"], max_new_tokens=4,
+                          sampling=SamplingParams(temperature=1.0), draft_sampling="topk")
