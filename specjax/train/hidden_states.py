@@ -30,8 +30,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+import specjax.sharding as shd
 from bridge.errors import BridgeError
 from bridge.safetensors_io import SafetensorsFile, write_safetensors
+from specjax import placement
 from specjax.decode.batch import bucket as round_up
 from specjax.train.dataset import TokenRows
 from specjax.train.errors import HiddenStateCacheError
@@ -180,8 +182,6 @@ class TapFn:
                 ids.shape, ids.dtype, sharding=self.ids_sharding)
         if self.ids_sharding is None:
             return jnp.asarray(ids)
-        import specjax.sharding as shd
-
         return shd.put(np.asarray(ids), self.ids_sharding)
 
     def __call__(self, ids):
@@ -200,8 +200,6 @@ def make_tap_fn(model, layer_ids: Sequence[int], out_dtype, mesh=None) -> TapFn:
     abstract (params ``ShapeDtypeStruct`` with shardings): then only :meth:`TapFn.lower` applies."""
     from flax import nnx
 
-    from specjax import placement
-
     graphdef, state = nnx.split(model)
     taps = tuple(int(i) for i in layer_ids)
     where = mesh if mesh is not None else placement.platform_of(state)
@@ -214,11 +212,61 @@ def make_tap_fn(model, layer_ids: Sequence[int], out_dtype, mesh=None) -> TapFn:
 
     if mesh is None:
         return TapFn(jax.jit(run), state, None)
-    import specjax.sharding as shd
-
     ids_sh = shd.batch_sharding(mesh, 2)
     fn = jax.jit(run, in_shardings=(shd.shardings_of(state), ids_sh), out_shardings=shd.replicated(mesh))
     return TapFn(fn, state, ids_sh)
+
+
+def _on_mesh(model, mesh):
+    """The mesh the forward runs on (default: the one the model's params live on) and the model
+    placed there by ``TARGET_RULES`` when it is elsewhere."""
+    if mesh is None:
+        mesh = shd.mesh_of(model)
+    elif shd.mesh_of(model) != mesh:
+        from flax import nnx
+
+        graphdef, state = nnx.split(model)  # a placed copy; the caller's model is left alone
+        model = nnx.merge(graphdef, jax.device_put(state, shd.named_shardings(state, shd.TARGET_RULES, mesh)))
+    return model, mesh
+
+
+def _row_lengths(rows: TokenRows, todo: list[int], ctx: int) -> list[int]:
+    """The token counts of the rows to extract; a row longer than the target's context is refused."""
+    lengths = [len(rows.input_ids[i]) for i in todo]
+    for i, L in zip(todo, lengths):
+        if L > ctx:
+            raise HiddenStateCacheError(f"row {i} has {L} tokens; the target's context is {ctx}", key="input_ids")
+    return lengths
+
+
+def _batch_ids(rows: TokenRows, idx: list[int], ctx: int, mesh) -> np.ndarray:
+    """One batch's right-padded ids [B, T]: T the longest row rounded up to 64 (at most ``ctx``), B
+    padded to a multiple of ``data x fsdp`` on a mesh (padding rows: token 0, dropped)."""
+    T = min(round_up(max(len(rows.input_ids[i]) for i in idx), 64), ctx)
+    B = len(idx) if mesh is None else shd.pad_batch(len(idx), mesh)  # padding rows: token 0, dropped
+    ids = np.zeros((B, T), np.int32)
+    for r, i in enumerate(idx):
+        ids[r, : len(rows.input_ids[i])] = rows.input_ids[i]
+    return ids
+
+
+def _write_batches(fn: TapFn, rows: TokenRows, data_dir, todo: list[int], batches: list[list[int]], *, ctx: int,
+                   mesh, meta: dict, main: bool, bar, t0: float) -> int:
+    """Run the tap program batch by batch and write each row's file (process 0 alone); returns
+    the tokens done."""
+    done_tokens = 0
+    for b in batches:
+        idx = [todo[k] for k in b]
+        hs = shd.to_host(fn(_batch_ids(rows, idx, ctx, mesh)))
+        for r, i in enumerate(idx):
+            t = len(rows.input_ids[i])
+            if main:
+                write_hs(hs_path(data_dir, i), hs[r, :t], rows.input_ids[i], metadata=meta)
+            done_tokens += t
+            bar.update(t)
+        el = time.perf_counter() - t0
+        bar.set_postfix_str(f"{done_tokens / max(el, 1e-9):.0f} tok/s")
+    return done_tokens
 
 
 def extract_hidden_states(model, rows: TokenRows, data_dir: str | os.PathLike, *, aux_layer_ids: Sequence[int],
@@ -237,15 +285,7 @@ def extract_hidden_states(model, rows: TokenRows, data_dir: str | os.PathLike, *
     """
     from tqdm.auto import tqdm
 
-    import specjax.sharding as shd
-
-    if mesh is None:
-        mesh = shd.mesh_of(model)
-    elif shd.mesh_of(model) != mesh:
-        from flax import nnx
-
-        graphdef, state = nnx.split(model)  # a placed copy; the caller's model is left alone
-        model = nnx.merge(graphdef, jax.device_put(state, shd.named_shardings(state, shd.TARGET_RULES, mesh)))
+    model, mesh = _on_mesh(model, mesh)
     main = shd.is_main_process()
     progress = progress and main
 
@@ -263,35 +303,17 @@ def extract_hidden_states(model, rows: TokenRows, data_dir: str | os.PathLike, *
         hs_dir.mkdir(parents=True, exist_ok=True)
     meta = {"layer_ids": ",".join(map(str, layer_ids)), "target": str(target_name), "format": "pt"}
     ctx = int(model.config.max_position_embeddings)
-    lengths = [len(rows.input_ids[i]) for i in todo]
-    for i, L in zip(todo, lengths):
-        if L > ctx:
-            raise HiddenStateCacheError(f"row {i} has {L} tokens; the target's context is {ctx}", key="input_ids")
+    lengths = _row_lengths(rows, todo, ctx)
     batches = plan_batches(lengths, max_tokens=max_batch_tokens)
     fn = make_tap_fn(model, layer_ids, jnp.dtype(out_np), mesh)
     total = int(sum(lengths))
     t0 = time.perf_counter()
-    done_tokens = 0
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc="hidden states", disable=not progress,
                dynamic_ncols=True)
     if skipped and log and main:
         log(f"{skipped} of {len(todo_all)} rows already cached; extracting {len(todo)}")
-    for b in batches:
-        idx = [todo[k] for k in b]
-        T = min(round_up(max(len(rows.input_ids[i]) for i in idx), 64), ctx)
-        B = len(idx) if mesh is None else shd.pad_batch(len(idx), mesh)  # padding rows: token 0, dropped
-        ids = np.zeros((B, T), np.int32)
-        for r, i in enumerate(idx):
-            ids[r, : len(rows.input_ids[i])] = rows.input_ids[i]
-        hs = shd.to_host(fn(ids))
-        for r, i in enumerate(idx):
-            t = len(rows.input_ids[i])
-            if main:
-                write_hs(hs_path(data_dir, i), hs[r, :t], rows.input_ids[i], metadata=meta)
-            done_tokens += t
-            bar.update(t)
-        el = time.perf_counter() - t0
-        bar.set_postfix_str(f"{done_tokens / max(el, 1e-9):.0f} tok/s")
+    done_tokens = _write_batches(fn, rows, data_dir, todo, batches, ctx=ctx, mesh=mesh, meta=meta, main=main, bar=bar,
+                                 t0=t0)
     bar.close()
     shd.sync("specjax-extract-done")
     return {"written": len(todo), "skipped": skipped, "tokens": done_tokens,
