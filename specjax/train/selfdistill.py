@@ -45,6 +45,39 @@ class Generated:
     hidden_states: np.ndarray | None  # [len(prompt) + len(generated), L, H] or None without taps
 
 
+def _padded_batch(prompts: Sequence[Sequence[int]], lens: list[int], idx: list[int], *, batch_size: int,
+                  prompt_bucket: int, pad_id: int, max_new_tokens: int):
+    """One batch's host arrays: ids [B, P] right-padded (P the batch's longest prompt rounded up to
+    ``prompt_bucket``; B = ``batch_size`` always, one decode compile), prompt lengths and new-token
+    limits [B]; returns them and P."""
+    B = batch_size  # fixed batch shape: one decode compile
+    P = bucket(max(lens[i] for i in idx), prompt_bucket)
+    ids = np.full((B, P), pad_id, np.int32)
+    plen = np.ones((B,), np.int32)
+    limits = np.zeros((B,), np.int32)
+    for r, i in enumerate(idx):
+        ids[r, : lens[i]] = prompts[i]
+        plen[r] = lens[i]
+        limits[r] = max_new_tokens
+    return ids, plen, limits, P
+
+
+def _batch_results(out, prompts: Sequence[Sequence[int]], lens: list[int], idx: list[int],
+                   taps: tuple[int, ...]) -> list[Generated]:
+    """The generate loop's output for one batch as a :class:`Generated` per prompt (its tokens,
+    stop reason and, with taps, the prompt's and the continuation's hidden states joined)."""
+    toks, num, eos_hit = (np.asarray(a) for a in out[:3])
+    phs, ghs = (np.asarray(jax.device_get(a)) for a in out[3:]) if taps else (None, None)
+    batch_res = []
+    for r, i in enumerate(idx):
+        g = toks[r, : num[r]].tolist()
+        hs = None
+        if taps:
+            hs = np.concatenate([phs[r, : lens[i]], ghs[r, : num[r]]], axis=0)
+        batch_res.append(Generated(list(map(int, prompts[i])), g, "eos" if eos_hit[r] else "length", hs))
+    return batch_res
+
+
 def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
                                 taps: Sequence[int] = (), sampling: SamplingParams = SamplingParams(), seed: int = 0,
                                 eos_token_ids: Sequence[int] = (), pad_id: int = 0, batch_size: int = 32,
@@ -77,31 +110,16 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
     taps_t = tuple(int(t) for t in taps)
     for b0 in range(0, len(order), batch_size):
         idx = order[b0: b0 + batch_size]
-        B = batch_size  # fixed batch shape: one decode compile
-        P = bucket(max(lens[i] for i in idx), prompt_bucket)
-        ids = np.full((B, P), pad_id, np.int32)
-        plen = np.ones((B,), np.int32)
-        limits = np.zeros((B,), np.int32)
-        for r, i in enumerate(idx):
-            ids[r, : lens[i]] = prompts[i]
-            plen[r] = lens[i]
-            limits[r] = max_new_tokens
+        ids, plen, limits, P = _padded_batch(prompts, lens, idx, batch_size=batch_size, prompt_bucket=prompt_bucket,
+                                             pad_id=pad_id, max_new_tokens=max_new_tokens)
         key, sub = jax.random.split(key)
         out = generate_padded(graphdef, params, jnp.asarray(ids), jnp.asarray(plen), jnp.asarray(limits), sub, eos,
                               max_new_tokens=max_new_tokens, max_len=P + max_new_tokens, sampling=sampling,
                               pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps_t, capture_dtype=out_dtype)
-        toks, num, eos_hit = (np.asarray(a) for a in out[:3])
-        phs, ghs = (np.asarray(jax.device_get(a)) for a in out[3:]) if taps_t else (None, None)
-        batch_res = []
-        for r, i in enumerate(idx):
-            g = toks[r, : num[r]].tolist()
-            hs = None
-            if taps_t:
-                hs = np.concatenate([phs[r, : lens[i]], ghs[r, : num[r]]], axis=0)
-            res = Generated(list(map(int, prompts[i])), g, "eos" if eos_hit[r] else "length", hs)
+        batch_res = _batch_results(out, prompts, lens, idx, taps_t)
+        for i, res in zip(idx, batch_res):
             results[i] = res
-            batch_res.append(res)
-            ntok += lens[i] + len(g)
+            ntok += lens[i] + len(res.token_ids)
         if on_batch is not None:
             on_batch(idx, batch_res)
         bar.update(len(idx))
