@@ -204,53 +204,28 @@ def fill_verifier_weights(fill: VerifierFill, flat: Mapping[str, Any], *, hidden
                           draft_vocab_size: int, source: VerifierSource | None, dtype=None,
                           where: str | None = None, verifier_heads: bool = True) -> dict[str, Any]:
     """Return ``flat`` (PyTorch-layout names) with the verifier-owned tensors filled per the
-    table above (``fill``: the draft class's row, its ``verifier_fill``). ``dtype``: the dtype the filled tensors get (default: the float dtype of the
-    checkpoint's own weights, else float32). ``verifier_heads=False``: verifier_lm_head and
-    verifier_norm are neither required nor returned (inference-only drafts)."""
+    table above (``fill``: the draft class's row, its ``verifier_fill``). ``dtype``: the dtype the
+    filled tensors get (default: the float dtype of the checkpoint's own weights, else float32).
+    ``verifier_heads=False``: verifier_lm_head and verifier_norm are neither required nor returned
+    (inference-only drafts)."""
     out = dict(flat)
     pruned = draft_vocab_size != vocab_size
     t2d = np.asarray(out["t2d"]) if pruned and "t2d" in out else None
-    if dtype is None:  # the checkpoint's own float dtype (bf16 training checkpoints stay bf16)
-        floats = [np.asarray(a).dtype for n, a in sorted(out.items())
-                  if n not in VERIFIER_OWNED and (np.asarray(a).dtype.kind == "f" or "float" in np.asarray(a).dtype.name)]
-        dtype = floats[0] if floats else np.float32
+    dtype = _own_float_dtype(out) if dtype is None else dtype
 
     def needs(name: str) -> bool:
         return name not in out or _has_nan(out[name])
 
     if source is not None:
-        embed = source.lookup("embed_tokens.weight")
-        if embed is None:
-            raise VerifierSourceError(f"the verifier has no embedding tensor (looked for 'embed_tokens.weight' and "
-                                      f"its aliases {ALIASES['embed_tokens.weight']})", path=source.where,
-                                      key="embed_tokens.weight")
-        if tuple(embed.shape) != (vocab_size, hidden_size):
-            raise VerifierSourceError(f"verifier embedding has shape {list(embed.shape)}; the draft needs "
-                                      f"[{vocab_size}, {hidden_size}]", path=source.where, key="embed_tokens.weight")
-        lm = source.lookup("lm_head.weight")
-        lm = embed if lm is None else lm
-        if tuple(lm.shape) != (vocab_size, hidden_size):
-            raise VerifierSourceError(f"verifier lm_head has shape {list(lm.shape)}; the draft needs "
-                                      f"[{vocab_size}, {hidden_size}]", path=source.where, key="lm_head.weight")
-        if pruned and t2d is None:
-            raise MissingVerifierWeightsError("the draft vocabulary is pruned but the checkpoint has no t2d, so the "
-                                              "lm_head rows cannot be selected", path=where, key="t2d")
-        rows = select_rows(lm, t2d)
+        embed, rows = _verifier_rows(source, vocab_size=vocab_size, hidden_size=hidden_size, t2d=t2d,
+                                     pruned=pruned, where=where)
         if fill.always_embed() or needs("embed_tokens.weight"):
             out["embed_tokens.weight"] = np.asarray(embed).astype(dtype)
         if fill.always_lm_head(pruned=pruned) or needs("lm_head.weight"):
             out["lm_head.weight"] = np.asarray(rows).astype(dtype)
         if fill.verifier_heads:
             out["verifier_lm_head.weight"] = np.asarray(rows).astype(dtype)
-            norm = source.lookup("model.norm.weight")
-            if norm is None:
-                warnings.warn(f"Could not find final norm weights in {source.where or 'the verifier'}; using ones "
-                              "for verifier_norm (speculators does the same)", UserWarning, stacklevel=2)
-                norm = np.ones((hidden_size,), np.float32)
-            if tuple(np.shape(norm)) != (hidden_size,):
-                raise VerifierSourceError(f"verifier final norm resolved to a tensor of shape {list(np.shape(norm))}; "
-                                          f"expected [{hidden_size}]", path=source.where, key="model.norm.weight")
-            out["verifier_norm.weight"] = np.asarray(norm).astype(dtype)
+            out["verifier_norm.weight"] = np.asarray(_verifier_norm(source, hidden_size)).astype(dtype)
     if not (verifier_heads and fill.verifier_heads):
         out.pop("verifier_lm_head.weight", None)
         out.pop("verifier_norm.weight", None)
@@ -263,3 +238,45 @@ def fill_verifier_weights(fill: VerifierFill, flat: Mapping[str, Any], *, hidden
             "was given to fill them; pass the target model (directory or loaded model) as the verifier",
             path=where, key=bad[0])
     return out
+
+
+def _own_float_dtype(flat: Mapping[str, Any]):
+    """The checkpoint's own float dtype (bf16 training checkpoints stay bf16), else float32."""
+    floats = [np.asarray(a).dtype for n, a in sorted(flat.items())
+              if n not in VERIFIER_OWNED and (np.asarray(a).dtype.kind == "f" or "float" in np.asarray(a).dtype.name)]
+    return floats[0] if floats else np.float32
+
+
+def _verifier_rows(source: VerifierSource, *, vocab_size: int, hidden_size: int, t2d, pruned: bool, where):
+    """The verifier's embedding and its head's rows for the draft vocabulary (``W[t2d]`` when pruned;
+    the embedding for a verifier without a head), shapes checked."""
+    embed = source.lookup("embed_tokens.weight")
+    if embed is None:
+        raise VerifierSourceError(f"the verifier has no embedding tensor (looked for 'embed_tokens.weight' and "
+                                  f"its aliases {ALIASES['embed_tokens.weight']})", path=source.where,
+                                  key="embed_tokens.weight")
+    if tuple(embed.shape) != (vocab_size, hidden_size):
+        raise VerifierSourceError(f"verifier embedding has shape {list(embed.shape)}; the draft needs "
+                                  f"[{vocab_size}, {hidden_size}]", path=source.where, key="embed_tokens.weight")
+    lm = source.lookup("lm_head.weight")
+    lm = embed if lm is None else lm
+    if tuple(lm.shape) != (vocab_size, hidden_size):
+        raise VerifierSourceError(f"verifier lm_head has shape {list(lm.shape)}; the draft needs "
+                                  f"[{vocab_size}, {hidden_size}]", path=source.where, key="lm_head.weight")
+    if pruned and t2d is None:
+        raise MissingVerifierWeightsError("the draft vocabulary is pruned but the checkpoint has no t2d, so the "
+                                          "lm_head rows cannot be selected", path=where, key="t2d")
+    return embed, select_rows(lm, t2d)
+
+
+def _verifier_norm(source: VerifierSource, hidden_size: int):
+    """The verifier's final norm weight; ones, with a warning, when it has none (as speculators)."""
+    norm = source.lookup("model.norm.weight")
+    if norm is None:
+        warnings.warn(f"Could not find final norm weights in {source.where or 'the verifier'}; using ones "
+                      "for verifier_norm (speculators does the same)", UserWarning, stacklevel=3)
+        norm = np.ones((hidden_size,), np.float32)
+    if tuple(np.shape(norm)) != (hidden_size,):
+        raise VerifierSourceError(f"verifier final norm resolved to a tensor of shape {list(np.shape(norm))}; "
+                                  f"expected [{hidden_size}]", path=source.where, key="model.norm.weight")
+    return norm
