@@ -94,7 +94,8 @@ def _decode(prompt: List[str], lt, draft: Optional[str], tree_spec, dev_mesh, *,
 
     if tree_spec is not None:
         return tree_generate(prompt, tree=tree_spec, target=lt, draft=draft, chat=chat, max_new_tokens=max_new_tokens,
-                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype)
+                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
+                             draft_sampling=draft_sampling)
     if draft is None:
         return generate(prompt, target=lt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_p=top_p, top_k=top_k, seed=seed, mesh=dev_mesh), None

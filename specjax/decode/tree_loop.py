@@ -339,7 +339,7 @@ def tree_option(tree: str | None = None, *, topk: int | None = None, depth: int 
 
 def tree_generate(prompts, *, tree, target=None, draft="self", chat: bool = False, max_new_tokens: int = 64,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, dtype=None,
-                  eos_token_ids: Sequence[int] | None = None, cache_dir=None):
+                  eos_token_ids: Sequence[int] | None = None, cache_dir=None, draft_sampling: str = "greedy"):
     """Tree counterpart of :func:`specjax.decode.speculative.speculative_generate` (text prompts,
     a target / draft by path or object, single device). Returns (completions, SpecStats)."""
     from specjax.decode.generate import completions, encode_prompts, get_target
@@ -353,5 +353,5 @@ def tree_generate(prompts, *, tree, target=None, draft="self", chat: bool = Fals
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
     res = tree_generate_ids(lt.model, sd, ids, tree=tree, max_new_tokens=max_new_tokens,
                             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
-                            eos_token_ids=eos, pad_id=pad)
+                            eos_token_ids=eos, pad_id=pad, draft_sampling=draft_sampling)
     return completions(lt, ids, res), res.stats

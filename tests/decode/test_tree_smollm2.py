@@ -60,6 +60,10 @@ def test_cli_generate_with_a_tree(smol):
         out = json.loads(r.stdout)
         assert out["completions"][0]["token_ids"] == ref
         assert out["acceptance"]["k"] == 2
+    r = runner.invoke(app, base + ["--draft", "self:20", "--tree", "[(0,), (1,)]", "--temperature", "0.7",
+                                   "--draft-sampling", "sample"])  # i.i.d. sampled children: runs, 12 tokens
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)["completions"][0]["token_ids"]) == 12
     for extra, msg in ((["--tree", "[(0,), (2,)]", "--draft", "self"], "sibling (1,) is missing"),
                        (["--tree", "[(0,)]"], "needs --draft"),
                        (["--tree-topk", "2", "--draft", "self"], "--tree-topk, --tree-depth and --tree-nodes together")):
