@@ -55,30 +55,21 @@ def _key(rng):
     return jax.random.wrap_key_data(rng) if rng.dtype == jnp.uint32 else rng
 
 
-def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> StepFns:
-    """The jitted train / eval steps. ``shardings`` (:class:`specjax.train.sharded.StepShardings`)
-    makes both ``jax.jit`` with explicit in/out shardings (params, optimizer state and frozen
-    tensors as given, the batch on ``("data", "fsdp")``, metrics replicated) and donates the
-    params and optimizer state; ``None`` = one device.
-
-    A batch is ``[N, T, ...]``: the loss (and so the gradient) is the mean over the ``N`` rows of
-    each row's loss. The eval step sums every metric over the rows of a batch that hold tokens
-    (empty filler rows count nothing)."""
-    cdt = jnp.bfloat16 if cfg.trainer.compute_dtype == "bfloat16" else jnp.float32
-    algorithm = algorithms.get(cfg.speculator_type)(cfg)
-
+def _objective(graphdef, algorithm, cdt):
+    """The loss a step differentiates, ``(params, frozen, batch) -> (loss, metrics)``: the draft
+    merged in the compute dtype, the batch's ``rng`` as a typed key, the algorithm's ``loss``."""
     def forward(params, frozen, batch):
         model = nnx.merge(graphdef, _cast(params, cdt), _cast(frozen, cdt))
         if "rng" in batch:
             batch = dict(batch, rng=_key(batch["rng"]))
         return algorithm.loss(model, batch, cdt)
 
-    traces = {"train_step": 0, "eval_step": 0}
+    return forward
 
-    # where the steps run: the mesh's devices (a TPU mesh compiled from a CPU host included), else
-    # the device the params live on; read at trace time by the platform-specific layers
-    where = shardings.mesh if shardings is not None else placement.platform_of(frozen)
 
+def _train_step(forward, tx, where, traces: dict):
+    """The train step before jit: the gradient of ``forward`` (mean over the rows) and one
+    optimizer update, traced for ``where``; metrics gain the gradient norm."""
     def _train(params, opt_state, batch, frozen):
         with placement.building_for(where):
             return _train_body(params, opt_state, batch, frozen)
@@ -92,6 +83,12 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> Ste
         metrics = dict(metrics, grad_norm=(optax.tree.norm(grads), jnp.ones((), jnp.float32)))
         return params, opt_state, metrics
 
+    return _train
+
+
+def _eval_step(forward, where, traces: dict):
+    """The eval step before jit, traced for ``where``: each row of a batch scored as a batch of 1,
+    every metric summed over the rows that hold tokens (empty filler rows count nothing)."""
     def _eval(params, batch, frozen):
         with placement.building_for(where):
             return _eval_body(params, batch, frozen)
@@ -113,13 +110,40 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> Ste
         real = jnp.any(batch["document_ids"] >= 0, axis=-1).astype(jnp.float32)  # [N]
         return jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32) * real), per_row)
 
+    return _eval
+
+
+def _jit_steps(train, evaluate, shardings):
+    """Both steps jitted: plain on one device; with ``shardings`` explicit in/out shardings and the
+    params and optimizer state donated."""
     if shardings is None:
-        train_j, eval_j = jax.jit(_train), jax.jit(_eval)
-    else:
-        s = shardings
-        train_j = jax.jit(_train, in_shardings=(s.params, s.opt_state, s.batch, s.frozen),
-                          out_shardings=(s.params, s.opt_state, s.replicated), donate_argnums=(0, 1))
-        eval_j = jax.jit(_eval, in_shardings=(s.params, s.batch, s.frozen), out_shardings=s.replicated)
+        return jax.jit(train), jax.jit(evaluate)
+    s = shardings
+    train_j = jax.jit(train, in_shardings=(s.params, s.opt_state, s.batch, s.frozen),
+                      out_shardings=(s.params, s.opt_state, s.replicated), donate_argnums=(0, 1))
+    eval_j = jax.jit(evaluate, in_shardings=(s.params, s.batch, s.frozen), out_shardings=s.replicated)
+    return train_j, eval_j
+
+
+def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> StepFns:
+    """The jitted train / eval steps. ``shardings`` (:class:`specjax.train.sharded.StepShardings`)
+    makes both ``jax.jit`` with explicit in/out shardings (params, optimizer state and frozen
+    tensors as given, the batch on ``("data", "fsdp")``, metrics replicated) and donates the
+    params and optimizer state; ``None`` = one device.
+
+    A batch is ``[N, T, ...]``: the loss (and so the gradient) is the mean over the ``N`` rows of
+    each row's loss. The eval step sums every metric over the rows of a batch that hold tokens
+    (empty filler rows count nothing)."""
+    cdt = jnp.bfloat16 if cfg.trainer.compute_dtype == "bfloat16" else jnp.float32
+    algorithm = algorithms.get(cfg.speculator_type)(cfg)
+    forward = _objective(graphdef, algorithm, cdt)
+    traces = {"train_step": 0, "eval_step": 0}
+
+    # where the steps run: the mesh's devices (a TPU mesh compiled from a CPU host included), else
+    # the device the params live on; read at trace time by the platform-specific layers
+    where = shardings.mesh if shardings is not None else placement.platform_of(frozen)
+    train_j, eval_j = _jit_steps(_train_step(forward, tx, where, traces), _eval_step(forward, where, traces),
+                                 shardings)
     # The frozen tensors (the verifier's embedding and head) never change: cast them to the compute
     # dtype once here, not inside every step (a [V, H] convert per step otherwise).
     frozen_c = _cast(frozen, cdt)
