@@ -18,7 +18,8 @@ Sources (the ``prompts`` string):
 JSON text is read with the stdlib ``json`` module rather than ``datasets``' json builder: that
 builder reports "Expected object or value" without a line, refuses bare-string lines, turns
 ``["a", "b"]`` into ``{"text": ...}`` rows, and copies the file into the datasets cache first.
-Columnar inputs (parquet, arrow, ``save_to_disk``, the hub cache) go through pyarrow / datasets.
+Columnar inputs (parquet, arrow, ``save_to_disk``, the hub cache) go through pyarrow / datasets
+(:mod:`.prompt_datasets`).
 
 Record shapes, one record a row:
 
@@ -45,14 +46,16 @@ Selection: ``shuffle_seed`` orders the records by ``numpy.random.default_rng(see
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Union
 
+from bridge.atomic import atomic_file
 from specjax.train.errors import PromptFileError
+from specjax.train.prompt_datasets import hf_fetch_command, parse_hf_spec  # noqa: F401  (public here too)
+from specjax.train.prompt_datasets import is_saved_dataset, read_arrow, read_hf, read_parquet, read_saved
 from specjax.train.stdlib_prompts import builtin_prompts, is_eval_module  # noqa: F401  (public here too)
 
 Conversation = list[dict[str, Any]]
@@ -272,97 +275,14 @@ def _read_json_file(path: Path) -> _Part:
     return _Part(str(path), doc if isinstance(doc, list) else [doc])
 
 
-def _read_parquet(path: Path) -> _Part:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise PromptFileError(f"not a readable parquet file ({e})", path=str(path)) from None
-    rows: list = []
-    for batch in pf.iter_batches(batch_size=4096):
-        try:
-            rows.extend(batch.to_pylist())
-        except UnicodeDecodeError:  # find the row and column: a string column holding non-UTF-8 bytes
-            for i in range(batch.num_rows):
-                for name, col in zip(batch.schema.names, batch.columns):
-                    try:
-                        col[i].as_py()
-                    except UnicodeDecodeError as e:
-                        raise PromptFileError(f"record {len(rows) + i + 1}: column '{name}' holds bytes that are not "
-                                              f"UTF-8 ({e.reason}, byte 0x{e.object[e.start]:02x}); expected UTF-8 "
-                                              "text", path=str(path), key=name) from None
-            raise
-    return _Part(str(path), rows)
-
-
-@contextlib.contextmanager
-def _quiet_datasets():
-    """No progress bars or info logs from ``datasets`` while it reads (restored after)."""
-    import datasets
-    from datasets.utils import logging as dlog
-
-    bars = datasets.is_progress_bar_enabled()
-    level = dlog.get_verbosity()
-    datasets.disable_progress_bars()
-    dlog.set_verbosity_error()
-    try:
-        yield datasets
-    finally:
-        dlog.set_verbosity(level)
-        if bars:
-            datasets.enable_progress_bars()
-
-
-def _one_split(dd, where: str, split: str | None, hint: str):
-    """A split of a ``DatasetDict``: ``split``, else ``train``, else the only one."""
-    names = list(dd.keys())
-    if split is None:
-        split = "train" if "train" in names else (names[0] if len(names) == 1 else None)
-        if split is None:
-            raise PromptFileError(f"holds the splits {names} and none is 'train'; choose one: {hint}", path=where)
-    if split not in names:
-        raise PromptFileError(f"has no split {split!r}; it has {names}", path=where, key="split")
-    return dd[split], split
-
-
-def _read_arrow(path: Path) -> _Part:
-    with _quiet_datasets() as datasets:
-        try:
-            ds = datasets.Dataset.from_file(str(path))
-        except Exception as e:  # noqa: BLE001  (pyarrow raises several kinds for a bad file)
-            raise PromptFileError(f"not a readable arrow file ({type(e).__name__}: {e})", path=str(path)) from None
-        return _Part(str(path), ds.to_list())
-
-
-def is_saved_dataset(d: Path) -> bool:
-    """A directory written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
-    return (d / "dataset_dict.json").is_file() or ((d / "state.json").is_file() and (d / "dataset_info.json").is_file())
-
-
-def _read_saved(d: Path) -> _Part:
-    with _quiet_datasets() as datasets:
-        try:
-            ds = datasets.load_from_disk(str(d))
-        except Exception as e:  # noqa: BLE001
-            raise PromptFileError(f"a save_to_disk directory that datasets cannot load ({type(e).__name__}: {e})",
-                                  path=str(d)) from None
-        where = str(d)
-        if isinstance(ds, datasets.DatasetDict):
-            ds, split = _one_split(ds, where, None, f"give {d}/<split>")
-            where = str(d / split)
-        return _Part(where, ds.to_list())
-
-
 def _read_file(p: Path) -> _Part:
     try:
         if p.suffix in (".json", ".jsonl"):
             return _read_json_file(p)
         if p.suffix == ".parquet":
-            return _read_parquet(p)
+            return _Part(str(p), read_parquet(p))
         if p.suffix == ".arrow":
-            return _read_arrow(p)
+            return _Part(str(p), read_arrow(p))
     except OSError as e:
         raise PromptFileError(f"cannot read ({e.strerror or e})", path=str(p)) from None
     raise PromptFileError(f"unknown prompt file type {p.suffix or '(no suffix)'!r}; expected "
@@ -372,48 +292,13 @@ def _read_file(p: Path) -> _Part:
 
 def _read_dir(d: Path) -> list[_Part]:
     if is_saved_dataset(d):
-        return [_read_saved(d)]
+        return [_Part(*read_saved(d))]
     files = sorted(f for f in d.rglob("*") if f.is_file() and f.suffix in FILE_SUFFIXES
                    and not any(part.startswith(".") for part in f.relative_to(d).parts))
     if not files:
         raise PromptFileError(f"a directory with no prompt files (expected {', '.join(FILE_SUFFIXES)} files or a "
                               "save_to_disk dataset)", path=str(d))
     return [_read_file(f) for f in files]
-
-
-def hf_fetch_command(repo_id: str, config: str | None, split: str | None) -> str:
-    args = ", ".join([repr(repo_id)] + ([repr(config)] if config else []) + ([f"split={split!r}"] if split else []))
-    return f"HF_HUB_OFFLINE=0 python -c \"import datasets; datasets.load_dataset({args})\""
-
-
-def parse_hf_spec(spec: str) -> tuple[str, str | None, str | None]:
-    """``hf:<id>[:<config>][:<split>]`` -> (id, config, split); empty fields are None."""
-    parts = spec[len("hf:"):].split(":")
-    if not parts[0] or len(parts) > 3:
-        raise PromptFileError(f"{spec!r}: expected hf:<id>[:<config>][:<split>], e.g. "
-                              "hf:HuggingFaceH4/ultrachat_200k::train_sft", key="prompts")
-    repo_id, config, split = (parts + [None, None])[:3]
-    return repo_id, config or None, split or None
-
-
-def _read_hf(spec: str, cache_dir: str | None) -> _Part:
-    repo_id, config, split = parse_hf_spec(spec)
-    fetch = hf_fetch_command(repo_id, config, split)
-    with _quiet_datasets() as datasets:
-        where = cache_dir or datasets.config.HF_DATASETS_CACHE
-        try:
-            ds = datasets.load_dataset(repo_id, config, cache_dir=cache_dir)
-        except (ConnectionError, FileNotFoundError) as e:
-            why = "HF_HUB_OFFLINE is set" if datasets.config.HF_HUB_OFFLINE else f"{type(e).__name__}: {e}"
-            raise PromptFileError(f"{repo_id} is not in the local HF datasets cache ({where}) and cannot be "
-                                  f"downloaded ({why}). Fetch it once where the hub is reachable: {fetch}",
-                                  path=spec) from None
-        except ValueError as e:  # the cache has the dataset but not this config
-            msg = "; ".join(x.strip() for x in str(e).splitlines() if x.strip())
-            raise PromptFileError(f"{msg} (in {where}); fetch it where the hub is reachable: {fetch}",
-                                  path=spec, key="config") from None
-        ds, split = _one_split(ds, spec, split, f"hf:{repo_id}:{config or ''}:<split>")
-        return _Part(f"hf:{repo_id}:{config or ''}:{split}", ds.to_list())
 
 
 def _read_source(spec: str, *, seed: int, hf_cache_dir: str | None) -> list[_Part]:
@@ -425,7 +310,7 @@ def _read_source(spec: str, *, seed: int, hf_cache_dir: str | None) -> list[_Par
             raise PromptFileError(f"{spec!r}: expected builtin:<name>[:<n>] with an integer n", key="prompts") from None
         return [_Part(spec, builtin_prompts(parts[1] or "stdlib", n, seed=seed))]
     if spec.startswith("hf:"):
-        return [_read_hf(spec, hf_cache_dir)]
+        return [_Part(*read_hf(spec, hf_cache_dir))]
     p = Path(spec)
     if p.is_dir():
         return _read_dir(p)
@@ -495,8 +380,6 @@ def load_prompt_file(path: str | os.PathLike) -> list[Conversation | Pretokenize
 
 
 def write_prompt_file(path: str | os.PathLike, convs: list[Conversation]) -> Path:
-    from bridge.atomic import atomic_file
-
     with atomic_file(path, text=True) as f:
         for c in convs:
             f.write(json.dumps({"conversations": c}, ensure_ascii=False) + "\n")
