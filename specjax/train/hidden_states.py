@@ -218,8 +218,7 @@ def make_tap_fn(model, layer_ids: Sequence[int], out_dtype, mesh=None) -> TapFn:
 
 
 def _on_mesh(model, mesh):
-    """The mesh the forward runs on (default: the one the model's params live on) and the model
-    placed there by ``TARGET_RULES`` when it is elsewhere."""
+    """The mesh the forward runs on (default: the params' own) and the model placed there by ``TARGET_RULES``."""
     if mesh is None:
         mesh = shd.mesh_of(model)
     elif shd.mesh_of(model) != mesh:
@@ -240,8 +239,7 @@ def _row_lengths(rows: TokenRows, todo: list[int], ctx: int) -> list[int]:
 
 
 def _batch_ids(rows: TokenRows, idx: list[int], ctx: int, mesh) -> np.ndarray:
-    """One batch's right-padded ids [B, T]: T the longest row rounded up to 64 (at most ``ctx``), B
-    padded to a multiple of ``data x fsdp`` on a mesh (padding rows: token 0, dropped)."""
+    """One batch's right-padded ids [B, T]: T rounded up to 64 (at most ``ctx``), B to the mesh's data x fsdp."""
     T = min(round_up(max(len(rows.input_ids[i]) for i in idx), 64), ctx)
     B = len(idx) if mesh is None else shd.pad_batch(len(idx), mesh)  # padding rows: token 0, dropped
     ids = np.zeros((B, T), np.int32)
@@ -252,8 +250,7 @@ def _batch_ids(rows: TokenRows, idx: list[int], ctx: int, mesh) -> np.ndarray:
 
 def _write_batches(fn: TapFn, rows: TokenRows, data_dir, todo: list[int], batches: list[list[int]], *, ctx: int,
                    mesh, meta: dict, main: bool, bar, t0: float) -> int:
-    """Run the tap program batch by batch and write each row's file (process 0 alone); returns
-    the tokens done."""
+    """The tap program batch by batch, each row's file written by process 0; returns the tokens done."""
     done_tokens = 0
     for b in batches:
         idx = [todo[k] for k in b]

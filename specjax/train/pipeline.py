@@ -123,8 +123,7 @@ def _staging(data_dir: Path, c: int, t: int) -> Path:
 
 def _generate_round(lt, todo: list[int], prompts: list[list[int]], r: int, n_rounds: int, data_dir: Path,
                     spec: DataSpec, sampling, layer_ids, progress):
-    """One round's batched generation: the target answers ``prompts`` (conversations ``todo``, turn
-    ``r``) and each answer's row and hidden states land in its staging file as its batch finishes."""
+    """One round's batched generation; each answer's row and hidden states go to its staging file as its batch ends."""
     from specjax.train import selfdistill  # flax, the target and the generate loop: only when answers are written
 
     tok = lt.tokenizer
@@ -199,9 +198,7 @@ def _regenerate(lt, convs: list[Conversation], data_dir: Path, spec: DataSpec, l
 
 
 def _check_inputs(out_dir, spec: DataSpec, lt, records: list[Record] | None):
-    """Every refusal that comes before the directory is touched (regeneration over several
-    processes, a complete directory, a bad prompt input, no tokenizer, bad layer ids, a draft
-    vocabulary larger than the target's); returns the records, the aux and the cached layer ids."""
+    """The refusals before the directory is touched; returns the records, the aux and the cached layer ids."""
     if spec.regenerate and shd.process_count() > 1:
         raise DatasetError(f"regenerating answers runs in one process; this run has {shd.process_count()} "
                            "processes. Run `specjax data prepare` on one host (it uses all local devices), or "
@@ -225,8 +222,7 @@ def _check_inputs(out_dir, spec: DataSpec, lt, records: list[Record] | None):
 
 
 def _check_resume(d: Path, spec_doc: dict, main: bool) -> None:
-    """Whether a partial build here was made with these settings (refused if not); a fresh build
-    writes the spec file that guards it."""
+    """Whether a partial build here has these settings (refused if not); a fresh build writes the guard file."""
     spec_p = d / "prepare_spec.json"
     if spec_p.is_file():
         old = json.loads(spec_p.read_text(encoding="utf-8"))
@@ -243,8 +239,7 @@ def _check_resume(d: Path, spec_doc: dict, main: bool) -> None:
 
 def _row_sources(lt, convs: list[Conversation], pretok: list[PretokenizedRow], d: Path, spec: DataSpec, layer_ids,
                  log, progress) -> tuple[list[tuple[str, object]], list[Conversation]]:
-    """Where each training row comes from: a staged regenerated turn or a rendered / pretokenized
-    row (``("staged", path) | ("row", (ids, mask))``), and the conversations as regenerated."""
+    """Where each row comes from (a staged regenerated turn, a rendered or pretokenized row)."""
     sources: list[tuple[str, object]] = []
     regenerated = convs
     if spec.regenerate and convs:
@@ -270,8 +265,7 @@ def _row_sources(lt, convs: list[Conversation], pretok: list[PretokenizedRow], d
 
 
 def _assemble_rows(d: Path, sources: list[tuple[str, object]], perm) -> ds.TokenRows:
-    """The rows in their final order (``perm``); a staged turn's hidden-state file becomes
-    ``hs_{i}`` (moved once every row is read; a file an interrupted assembly moved is read there)."""
+    """The rows in the final order ``perm``; staged hidden-state files become ``hs_{i}`` once all are read."""
     rows = ds.TokenRows()
     moves = []
     for i, j in enumerate(perm):

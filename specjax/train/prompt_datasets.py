@@ -87,8 +87,7 @@ def is_saved_dataset(d: Path) -> bool:
 
 
 def read_saved(d: Path) -> tuple[str, list]:
-    """Where the records of a ``save_to_disk`` directory are (a DatasetDict's split:
-    ``<dir>/<split>``) and the records."""
+    """The records of a ``save_to_disk`` directory and where they are (a DatasetDict's split: ``<dir>/<split>``)."""
     with _quiet_datasets() as datasets:
         try:
             ds = datasets.load_from_disk(str(d))
@@ -118,8 +117,7 @@ def parse_hf_spec(spec: str) -> tuple[str, str | None, str | None]:
 
 
 def read_hf(spec: str, cache_dir: str | None) -> tuple[str, list]:
-    """Where the records of ``hf:<id>[:<config>][:<split>]`` in the local datasets cache are
-    (``hf:<id>:<config>:<split>``) and the records."""
+    """The records of ``hf:<id>[:<config>][:<split>]`` in the local datasets cache and their ``hf:id:config:split``."""
     repo_id, config, split = parse_hf_spec(spec)
     fetch = hf_fetch_command(repo_id, config, split)
     with _quiet_datasets() as datasets:

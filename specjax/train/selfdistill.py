@@ -47,9 +47,7 @@ class Generated:
 
 def _padded_batch(prompts: Sequence[Sequence[int]], lens: list[int], idx: list[int], *, batch_size: int,
                   prompt_bucket: int, pad_id: int, max_new_tokens: int):
-    """One batch's host arrays: ids [B, P] right-padded (P the batch's longest prompt rounded up to
-    ``prompt_bucket``; B = ``batch_size`` always, one decode compile), prompt lengths and new-token
-    limits [B]; returns them and P."""
+    """One batch's host arrays (ids [B, P], prompt lengths, limits [B]; B = batch_size: one compile) and P."""
     B = batch_size  # fixed batch shape: one decode compile
     P = bucket(max(lens[i] for i in idx), prompt_bucket)
     ids = np.full((B, P), pad_id, np.int32)
@@ -64,8 +62,7 @@ def _padded_batch(prompts: Sequence[Sequence[int]], lens: list[int], idx: list[i
 
 def _batch_results(out, prompts: Sequence[Sequence[int]], lens: list[int], idx: list[int],
                    taps: tuple[int, ...]) -> list[Generated]:
-    """The generate loop's output for one batch as a :class:`Generated` per prompt (its tokens,
-    stop reason and, with taps, the prompt's and the continuation's hidden states joined)."""
+    """One batch's loop output as a :class:`Generated` per prompt (prompt and continuation taps joined)."""
     toks, num, eos_hit = (np.asarray(a) for a in out[:3])
     phs, ghs = (np.asarray(jax.device_get(a)) for a in out[3:]) if taps else (None, None)
     batch_res = []

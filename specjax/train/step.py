@@ -56,9 +56,8 @@ def _key(rng):
 
 
 def _objective(graphdef, algorithm, cdt):
-    """The loss a step differentiates, ``(params, frozen, batch) -> (loss, metrics)``: the draft
-    merged in the compute dtype, the batch's ``rng`` as a typed key, the algorithm's ``loss``."""
-    def forward(params, frozen, batch):
+    """The loss a step differentiates: the draft merged in the compute dtype, the algorithm's ``loss``."""
+    def forward(params, frozen, batch):  # -> (loss, metrics)
         model = nnx.merge(graphdef, _cast(params, cdt), _cast(frozen, cdt))
         if "rng" in batch:
             batch = dict(batch, rng=_key(batch["rng"]))
@@ -68,8 +67,7 @@ def _objective(graphdef, algorithm, cdt):
 
 
 def _train_step(forward, tx, where, traces: dict):
-    """The train step before jit: the gradient of ``forward`` (mean over the rows) and one
-    optimizer update, traced for ``where``; metrics gain the gradient norm."""
+    """The train step before jit: the gradient of ``forward`` and one optimizer update, traced for ``where``."""
     def _train(params, opt_state, batch, frozen):
         with placement.building_for(where):
             return _train_body(params, opt_state, batch, frozen)
@@ -87,8 +85,7 @@ def _train_step(forward, tx, where, traces: dict):
 
 
 def _eval_step(forward, where, traces: dict):
-    """The eval step before jit, traced for ``where``: each row of a batch scored as a batch of 1,
-    every metric summed over the rows that hold tokens (empty filler rows count nothing)."""
+    """The eval step before jit: each row scored alone, metrics summed over the rows that hold tokens."""
     def _eval(params, batch, frozen):
         with placement.building_for(where):
             return _eval_body(params, batch, frozen)
@@ -114,8 +111,7 @@ def _eval_step(forward, where, traces: dict):
 
 
 def _jit_steps(train, evaluate, shardings):
-    """Both steps jitted: plain on one device; with ``shardings`` explicit in/out shardings and the
-    params and optimizer state donated."""
+    """Both steps jitted: plain on one device, else explicit in/out shardings, params and optimizer state donated."""
     if shardings is None:
         return jax.jit(train), jax.jit(evaluate)
     s = shardings
