@@ -170,60 +170,10 @@ class CausalLM(nnx.Module):
         cfg = self.config
         n = cfg.num_hidden_layers
         taps = check_tap_ids(tap_ids, n)
-        B, T = input_ids.shape
-        ar = jnp.arange(T, dtype=jnp.int32)
-        tree = tree_mask is not None
-        if tree:
-            if cache is None or segments is not None:
-                raise ValueError("a tree verify (tree_mask) needs a KV cache and no packed segments")
-            tree_mask = jnp.asarray(tree_mask, bool)
-            if tree_mask.shape[-2:] != (T, T):
-                raise ValueError(f"tree_mask {tree_mask.shape} does not fit {T} input tokens: expected [{T}, {T}] "
-                                 f"or [{B}, {T}, {T}]")
-            if positions is None:
-                depth = jnp.broadcast_to(tree_mask.sum(-1).astype(jnp.int32) - 1, (B, T))
-                positions = cache.lengths[:, None] + depth
-        if positions is None:
-            positions = (cache.lengths[:, None] + ar[None]) if cache is not None else jnp.broadcast_to(ar, (B, T))
-        positions = positions.astype(jnp.int32)
-
+        tree_mask, positions = _tree_and_positions(input_ids, positions, cache, segments, tree_mask)
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(positions, cfg.rope, dtype=x.dtype)
-        packed = segments is not None
-        if packed:
-            if cache is None or B != 1:
-                raise ValueError(f"a packed prefill (segments) takes one row and a cache, got input_ids {input_ids.shape}"
-                                 f" and {'a' if cache is not None else 'no'} cache")
-            seg = jnp.asarray(segments, jnp.int32)
-            same = (seg[:, None] == seg[None, :]) & (seg[None, :] < cache.batch)
-            kv_pos = positions[0]
-            q_pos, kv_valid = positions, None
-        elif cache is not None:
-            S = cache.max_len
-            if T > S:
-                raise ContextLengthError(f"{T} new tokens do not fit a KV cache of max_len {S}", key="input_ids")
-            kv_pos = jnp.arange(S, dtype=jnp.int32)
-            q_pos, kv_valid = positions, None
-        else:
-            kv_pos = ar
-            q_pos = jnp.broadcast_to(ar, (B, T))
-            kv_valid = None if attention_mask is None else attention_mask.astype(bool)
-        # TPU programs attend on the Pallas kernels (no [T, S] mask is built); the XLA path below
-        # is the reference and every other platform's
-        pallas = kt.attention_impl() == "pallas"
-        masks = {}
-
-        slots = cache.lengths[:, None] + ar[None] if tree else positions  # where the new K/V rows go
-
-        def mask_for(w):
-            if w not in masks and tree:
-                masks[w] = tree_cache_mask(q_pos, cache.lengths, tree_mask, cache.max_len, sliding_window=w)
-            if w not in masks:
-                masks[w] = causal_mask(q_pos, kv_pos, sliding_window=w, kv_valid=kv_valid)
-                if packed:
-                    masks[w] = masks[w] & same[None, None]
-            return masks[w]
-
+        mode = _Mode.of(input_ids, positions, cache, attention_mask, segments, tree_mask)
         aux = {}
         new_k, new_v = [], []
         for i, layer in enumerate(self.model.layers):
@@ -232,60 +182,139 @@ class CausalLM(nnx.Module):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            w = layer.sliding_window
-            if packed:
-                new_k.append(write_packed(cache.k[i], seg, kv_pos, k[0]))
-                new_v.append(write_packed(cache.v[i], seg, kv_pos, v[0]))
-                if pallas:  # exact: a sequence's tokens are contiguous in the row, at consecutive positions
-                    o = kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, segment_ids=seg[None]),
-                                         scale=attn.scaling)
-                else:
-                    o = attend(q, k, v, mask_for(w), scale=attn.scaling)
-            elif cache is not None:
-                k, v = write_cache(cache.k[i], slots, k), write_cache(cache.v[i], slots, v)
+            o, k, v = mode.attend(i, attn, q, k, v, layer.sliding_window)
+            if cache is not None:
                 new_k.append(k)
                 new_v.append(v)
-                if tree and panels.attention_fits(attn.q_proj, q, k) and panels.tree_fits(w, T):
-                    o = panels.tree_attention(q, k, v, positions, cache.lengths, tree_mask, window=w,
-                                              scale=attn.scaling)
-                elif tree:  # XLA's masked attention (also in TPU programs: no Pallas tree kernel yet)
-                    o = attend_cache(q, k, v, mask_for(w), scale=attn.scaling)
-                elif pallas:  # reads only the cache blocks at or before each query's position
-                    o = kt.cache_attention(q, k, v, *kt.position_ranges(positions, w), scale=attn.scaling)
-                elif panels.attention_fits(attn.q_proj, q, k):
-                    o = panels.decode_attention(q, k, v, positions, window=w, scale=attn.scaling)
-                else:
-                    o = attend_cache(q, k, v, mask_for(w), scale=attn.scaling)
-            elif pallas:
-                o = kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, kv_valid=kv_valid), scale=attn.scaling)
-            else:
-                o = attend(q, k, v, mask_for(w), scale=attn.scaling)
             x = x + attn.output(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if n in taps:
             aux[n] = x
-
-        logits = None
-        if return_logits:
-            h = x
-            if logits_at is not None:
-                idx = jnp.asarray(logits_at, jnp.int32)
-                if packed:
-                    h = x[0, idx]
-                elif idx.ndim == 1:
-                    h = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
-                else:
-                    h = jnp.take_along_axis(x, idx[:, :, None], axis=1)
-            logits = self.head(h)
-
-        new_cache = None
-        if cache is not None:
-            if packed:
-                adv = jnp.zeros((cache.batch,), jnp.int32).at[seg].add(1, mode="drop")
-            else:
-                adv = T if attention_mask is None else attention_mask.astype(jnp.int32).sum(-1)
-            new_cache = KVCache(tuple(new_k), tuple(new_v), cache.lengths + adv)
+        logits = self.head(mode.rows(x, logits_at)) if return_logits else None
+        new_cache = None if cache is None else mode.advance(new_k, new_v)
         return TargetOutput(logits, new_cache, tuple(aux[i] for i in taps))
+
+
+def _tree_and_positions(input_ids, positions, cache, segments, tree_mask):
+    """A tree verify's mask (checked) and every forward's int32 positions: given, else a tree's
+    ``lengths + depth``, a cache's ``lengths + arange(T)``, or ``arange(T)``."""
+    B, T = input_ids.shape
+    ar = jnp.arange(T, dtype=jnp.int32)
+    if tree_mask is not None:
+        if cache is None or segments is not None:
+            raise ValueError("a tree verify (tree_mask) needs a KV cache and no packed segments")
+        tree_mask = jnp.asarray(tree_mask, bool)
+        if tree_mask.shape[-2:] != (T, T):
+            raise ValueError(f"tree_mask {tree_mask.shape} does not fit {T} input tokens: expected [{T}, {T}] "
+                             f"or [{B}, {T}, {T}]")
+        if positions is None:
+            depth = jnp.broadcast_to(tree_mask.sum(-1).astype(jnp.int32) - 1, (B, T))
+            positions = cache.lengths[:, None] + depth
+    if positions is None:
+        positions = (cache.lengths[:, None] + ar[None]) if cache is not None else jnp.broadcast_to(ar, (B, T))
+    return tree_mask, positions.astype(jnp.int32)
+
+
+class _Mode:
+    """How one forward's layers attend and write the KV cache, decided once per forward: no cache
+    (causal within the T tokens), a cache (prefill, decode, chain verify), a packed prefill (one
+    row of several sequences, ``segments``) or a tree verify (``tree_mask``); and, in each, which
+    kernel runs: Pallas in TPU programs, the native CPU kernels where they fit, else XLA's
+    masked attention (the reference)."""
+
+    def __init__(self, kind: str, *, positions, cache, attention_mask, q_pos, kv_pos, kv_valid=None, seg=None,
+                 same=None, tree_mask=None, slots=None):
+        self.kind, self.positions, self.cache, self.attention_mask = kind, positions, cache, attention_mask
+        self.q_pos, self.kv_pos, self.kv_valid, self.seg, self.same = q_pos, kv_pos, kv_valid, seg, same
+        self.tree_mask, self.slots = tree_mask, slots
+        self.pallas = kt.attention_impl() == "pallas"  # no [T, S] mask is built on the Pallas path
+        self.masks: dict = {}
+
+    @classmethod
+    def of(cls, input_ids, positions, cache, attention_mask, segments, tree_mask) -> "_Mode":
+        B, T = input_ids.shape
+        ar = jnp.arange(T, dtype=jnp.int32)
+        kw = dict(positions=positions, cache=cache, attention_mask=attention_mask)
+        if segments is not None:
+            if cache is None or B != 1:
+                raise ValueError(f"a packed prefill (segments) takes one row and a cache, got input_ids {input_ids.shape}"
+                                 f" and {'a' if cache is not None else 'no'} cache")
+            seg = jnp.asarray(segments, jnp.int32)
+            same = (seg[:, None] == seg[None, :]) & (seg[None, :] < cache.batch)
+            return cls("packed", q_pos=positions, kv_pos=positions[0], seg=seg, same=same, **kw)
+        if cache is not None:
+            S = cache.max_len
+            if T > S:
+                raise ContextLengthError(f"{T} new tokens do not fit a KV cache of max_len {S}", key="input_ids")
+            tree = tree_mask is not None
+            slots = cache.lengths[:, None] + ar[None] if tree else positions  # where the new K/V rows go
+            return cls("tree" if tree else "cache", q_pos=positions, kv_pos=jnp.arange(S, dtype=jnp.int32),
+                       tree_mask=tree_mask, slots=slots, **kw)
+        kv_valid = None if attention_mask is None else attention_mask.astype(bool)
+        return cls("plain", q_pos=jnp.broadcast_to(ar, (B, T)), kv_pos=ar, kv_valid=kv_valid, **kw)
+
+    def mask(self, w):
+        """The XLA path's boolean mask for sliding window ``w`` (built once per window)."""
+        if w not in self.masks and self.kind == "tree":
+            self.masks[w] = tree_cache_mask(self.q_pos, self.cache.lengths, self.tree_mask, self.cache.max_len,
+                                            sliding_window=w)
+        if w not in self.masks:
+            self.masks[w] = causal_mask(self.q_pos, self.kv_pos, sliding_window=w, kv_valid=self.kv_valid)
+            if self.kind == "packed":
+                self.masks[w] = self.masks[w] & self.same[None, None]
+        return self.masks[w]
+
+    def attend(self, i: int, attn, q, k, v, w):
+        """Layer ``i``'s attention output, and its K/V as the cache now holds them (with a cache)."""
+        if self.kind == "packed":
+            cache, seg = self.cache, self.seg
+            nk, nv = write_packed(cache.k[i], seg, self.kv_pos, k[0]), write_packed(cache.v[i], seg, self.kv_pos, v[0])
+            if self.pallas:  # exact: a sequence's tokens are contiguous in the row, at consecutive positions
+                return kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, segment_ids=seg[None]),
+                                        scale=attn.scaling), nk, nv
+            return attend(q, k, v, self.mask(w), scale=attn.scaling), nk, nv
+        if self.kind in ("cache", "tree"):
+            k, v = write_cache(self.cache.k[i], self.slots, k), write_cache(self.cache.v[i], self.slots, v)
+            return self._attend_cache(attn, q, k, v, w), k, v
+        if self.pallas:
+            return kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, kv_valid=self.kv_valid),
+                                    scale=attn.scaling), k, v
+        return attend(q, k, v, self.mask(w), scale=attn.scaling), k, v
+
+    def _attend_cache(self, attn, q, k, v, w):
+        """Attention over the whole cache (new rows written): the kernel that fits."""
+        T = q.shape[1]
+        if self.kind == "tree":
+            if panels.attention_fits(attn.q_proj, q, k) and panels.tree_fits(w, T):
+                return panels.tree_attention(q, k, v, self.positions, self.cache.lengths, self.tree_mask, window=w,
+                                             scale=attn.scaling)
+            # XLA's masked attention (also in TPU programs: no Pallas tree kernel yet)
+            return attend_cache(q, k, v, self.mask(w), scale=attn.scaling)
+        if self.pallas:  # reads only the cache blocks at or before each query's position
+            return kt.cache_attention(q, k, v, *kt.position_ranges(self.positions, w), scale=attn.scaling)
+        if panels.attention_fits(attn.q_proj, q, k):
+            return panels.decode_attention(q, k, v, self.positions, window=w, scale=attn.scaling)
+        return attend_cache(q, k, v, self.mask(w), scale=attn.scaling)
+
+    def rows(self, x, logits_at):
+        """The final hidden states the head reads: every position, or ``logits_at``'s."""
+        if logits_at is None:
+            return x
+        idx = jnp.asarray(logits_at, jnp.int32)
+        if self.kind == "packed":
+            return x[0, idx]
+        if idx.ndim == 1:
+            return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+        return jnp.take_along_axis(x, idx[:, :, None], axis=1)
+
+    def advance(self, new_k, new_v) -> KVCache:
+        """The cache after this forward: the new K/V, ``lengths`` advanced by each sequence's tokens."""
+        cache, T = self.cache, self.q_pos.shape[1]
+        if self.kind == "packed":
+            adv = jnp.zeros((cache.batch,), jnp.int32).at[self.seg].add(1, mode="drop")
+        else:
+            adv = T if self.attention_mask is None else self.attention_mask.astype(jnp.int32).sum(-1)
+        return KVCache(tuple(new_k), tuple(new_v), cache.lengths + adv)
 
 
 class LlamaForCausalLM(CausalLM):
