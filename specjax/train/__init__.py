@@ -6,12 +6,14 @@ Public API (imported lazily)::
     cfg = load_recipe("configs/eagle3-smollm2.yaml", ["trainer.epochs=1"])
     summary = train(cfg)                      # -> runs/.../last (a speculators checkpoint)
 
-Modules: ``config`` (typed YAML recipes), ``pipeline`` / ``prompts`` / ``render`` / ``selfdistill``
-(data), ``dataset`` / ``hidden_states`` (speculators' on-disk layout), ``vocab`` (t2d/d2t),
-``losses`` / ``objectives`` (EAGLE-3 TTT and DFlash), ``optim`` (AdamW, Muon, schedules),
-``packing`` (multipack + collate), ``fast_eagle3`` (block-structured TTT attention),
-``trainer`` (jitted step, Orbax, resume), ``export`` (bridge checkpoints), ``evaluate``
-(offline greedy acceptance).
+Modules: ``config`` (typed YAML recipes), ``algorithms/`` (one training adapter per draft
+algorithm), ``pipeline`` / ``prompts`` / ``prompt_datasets`` / ``render`` / ``selfdistill`` (data),
+``online`` (hidden states computed as training reads them), ``dataset`` / ``hidden_states``
+(speculators' on-disk layout), ``vocab`` (t2d/d2t), ``losses`` / ``objectives`` (the algorithms'
+objectives), ``optim`` (AdamW, Muon, schedules), ``packing`` / ``feed`` (multipack, collate, the
+step schedule), ``fast_eagle3`` (block-structured TTT attention), ``step`` (the jitted steps),
+``trainer`` / ``run_files`` (the run, its directory, Orbax, resume), ``export`` (bridge
+checkpoints), ``evaluate`` (offline greedy acceptance).
 """
 
 from __future__ import annotations
