@@ -39,7 +39,8 @@ import numpy as np
 from flax import nnx
 
 from specjax import placement
-from specjax.decode.generate import DecodeState, cache_dtype_of, emit, prepare, start
+from specjax.decode.batch import prepare
+from specjax.decode.generate import DecodeState, cache_dtype_of, emit, start
 from specjax.decode.accept import draft_probs
 from specjax.decode.sampling import SamplingParams
 from specjax.decode.speculative import GREEDY, Pair, SpecResult, as_spec_draft, draft_dtype_of, split_pair

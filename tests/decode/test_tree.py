@@ -17,6 +17,7 @@ from specjax.decode.accept import accept_greedy
 from specjax.decode.sampling import SamplingParams, probs
 from specjax.decode.tree import (TokenTree, TreeSpecError, accept_tree, accept_tree_greedy, ancestor_mask,
                                  dynamic_tree, parse_tree)
+from tests.decode.test_accept import _onehot_logits
 
 VLLM_TREE = "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"
 
@@ -146,28 +147,21 @@ def test_dynamic_tree_ties_stay_ancestor_closed():
 # ----------------------------------------------------------------------------- greedy accept
 
 
-def _onehot_rows(rows, V=8):
-    x = np.zeros((1, len(rows), V), np.float32)
-    for i, t in enumerate(rows):
-        x[0, i, t] = 5.0
-    return jnp.asarray(x)
-
-
 def test_greedy_tree_by_hand():
     t = parse_tree(VLLM_TREE)  # nodes: 1=(0,) 2=(1,) 3=(0,0) 4=(0,1) 5=(0,0,0)
     tokens = jnp.asarray([[7, 2, 3, 4, 5, 6]])  # root token 7
     # target argmax after each node: root->3 (matches node 2), node 2 -> 1 (node 2 has no children)
-    r = accept_tree_greedy(_onehot_rows([3, 0, 1, 0, 0, 0]), tokens, t.children, t.max_depth)
+    r = accept_tree_greedy(_onehot_logits([3, 0, 1, 0, 0, 0]), tokens, t.children, t.max_depth)
     assert int(r.num_accepted[0]) == 1 and np.asarray(r.path)[0].tolist() == [0, 2, -1, -1]
     assert np.asarray(r.tokens)[0].tolist() == [3, 1, 1, 1]
     # root->2 (node 1), node 1->5 (its second child, node 4), node 4 -> bonus 0
-    r = accept_tree_greedy(_onehot_rows([2, 5, 0, 0, 0, 0]), tokens, t.children, t.max_depth)
+    r = accept_tree_greedy(_onehot_logits([2, 5, 0, 0, 0, 0]), tokens, t.children, t.max_depth)
     assert np.asarray(r.path)[0].tolist() == [0, 1, 4, -1] and np.asarray(r.tokens)[0].tolist() == [2, 5, 0, 0]
     # the full depth-3 path, then the bonus from the leaf
-    r = accept_tree_greedy(_onehot_rows([2, 4, 0, 6, 0, 1]), tokens, t.children, t.max_depth)
+    r = accept_tree_greedy(_onehot_logits([2, 4, 0, 6, 0, 1]), tokens, t.children, t.max_depth)
     assert int(r.num_accepted[0]) == 3 and np.asarray(r.tokens)[0].tolist() == [2, 4, 6, 1]
     # nothing matches: the root's argmax
-    r = accept_tree(jax.random.key(0), _onehot_rows([0, 4, 0, 6, 0, 1]), tokens, t.children, t.max_depth, None,
+    r = accept_tree(jax.random.key(0), _onehot_logits([0, 4, 0, 6, 0, 1]), tokens, t.children, t.max_depth, None,
                     SamplingParams())
     assert int(r.num_accepted[0]) == 0 and np.asarray(r.path)[0].tolist() == [0, -1, -1, -1]
     assert int(r.tokens[0, 0]) == 0

@@ -9,18 +9,20 @@ from specjax.train.objectives import accept_estimate, eagle3_objective
 from specjax.train.packing import shift_eagle3
 
 
+def eagle_fields(cfg, *, embed_requires_grad: bool) -> dict:
+    """The EAGLE family's ``config.json`` norm and embedding flags (EAGLE-3 and P-EAGLE)."""
+    d = cfg.draft
+    return dict(norm_before_residual=d.norm_before_residual, norm_before_fc=d.norm_before_fc,
+                fc_norm=d.fc_norm, norm_output=d.norm_output, embed_requires_grad=embed_requires_grad)
+
+
 class Eagle3(TrainAlgorithm):
     name = "eagle3"
     recipe_defaults = {"draft.draft_arch": "llama", "draft.norm_before_fc": True, "draft.norm_output": True}
     shift_batch = staticmethod(shift_eagle3)
 
-    def head_fields(self, *, embed_requires_grad: bool) -> dict:
-        d = self.cfg.draft
-        return dict(norm_before_residual=d.norm_before_residual, norm_before_fc=d.norm_before_fc,
-                    fc_norm=d.fc_norm, norm_output=d.norm_output, embed_requires_grad=embed_requires_grad)
-
     def config_fields(self, mask_token_id):
-        return self.head_fields(embed_requires_grad=self.cfg.draft.embed_requires_grad), self.cfg.loss.ttt_steps
+        return eagle_fields(self.cfg, embed_requires_grad=self.cfg.draft.embed_requires_grad), self.cfg.loss.ttt_steps
 
     def loss(self, model, batch, cdt):
         c = self.cfg.loss

@@ -5,19 +5,21 @@ the draft class says so: ``PEagleDraft.embed_trainable``)."""
 
 from __future__ import annotations
 
-from specjax.train.algorithms.eagle3 import Eagle3
+from specjax.train.algorithms.base import TrainAlgorithm
+from specjax.train.algorithms.eagle3 import eagle_fields
 from specjax.train.cod import cod_sample
 from specjax.train.objectives import peagle_objective
+from specjax.train.packing import shift_eagle3
 
 
-class PEagle(Eagle3):
+class PEagle(TrainAlgorithm):
     name = "peagle"
     sections = ("peagle",)
-    recipe_defaults = {}
+    shift_batch = staticmethod(shift_eagle3)  # speculators shifts P-EAGLE rows as EAGLE-3's
     needs_mask_token = True
 
     def config_fields(self, mask_token_id):
-        extra = self.head_fields(embed_requires_grad=self.draft_class().embed_trainable)
+        extra = eagle_fields(self.cfg, embed_requires_grad=self.draft_class().embed_trainable)
         return dict(extra, mask_token_id=mask_token_id), self.cfg.peagle.num_depths
 
     def loss(self, model, batch, cdt):
@@ -30,12 +32,6 @@ class PEagle(Eagle3):
                     anchor_pos=anchor_pos, depth=depth)
         return peagle_objective(out.logits, out.targets, out.loss_mask * ok.astype(out.loss_mask.dtype), depth,
                                 num_depths=pe.num_depths, loss_spec=self.loss_spec)
-
-    def record_fields(self, metrics):
-        return {}
-
-    def postfix(self, metrics, record):
-        return super(Eagle3, self).postfix(metrics, record)
 
 
 ALGORITHM = PEagle
