@@ -9,8 +9,8 @@ Layers, lowest first; a module imports only from its own layer or lower ones (en
 ``tests/test_layers.py``, which also refuses import cycles)::
 
     0  bridge/                     speculators format: json, safetensors, numpy (no specjax import)
-    1  specjax.paths, placement,   where things live, which platform a program is built for,
-       processes, hub              which process this is, hub ids
+    1  specjax.paths, placement,   where things live (local or a bucket), which platform a program
+       processes, hub, storage     is built for, which process this is, hub ids
     2  specjax.kernels             native CPU kernels, Pallas TPU kernels
     3  specjax.models              Flax modules: layers, targets, drafts, their loaders
     4  specjax.sharding            meshes, partition rules, sharded loading

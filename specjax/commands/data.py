@@ -13,6 +13,7 @@ import typer
 
 from bridge.atomic import atomic_file
 from bridge.errors import BridgeError
+from specjax import storage
 from specjax.commands.common import console, download_option, fail, fetch_target
 from specjax.sharding import cli as shcli
 from specjax.sharding import is_main_process
@@ -56,8 +57,8 @@ def _load_target(target: str, dev_mesh, progress: bool, download: bool = False):
 
 @data_app.command("prepare")
 def prepare_cmd(
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="data directory to create (or resume); with "
-                                       "--config, the recipe's data.path"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="data directory to create (or resume), local or a "
+                                      "bucket URL (gs://b/data); with --config, the recipe's data.path"),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="a training recipe (configs/*.yaml): build its "
                                           "data.path from its data.prepare settings, as `specjax train` would"),
     set_: List[str] = typer.Option([], "--set", "-s", help="with --config: recipe override, key=value"),
@@ -120,7 +121,7 @@ def prepare_cmd(
     _say_prepared(res, out, as_json=as_json)
 
 
-def _say_prepared(res: dict, out: Path, *, as_json: bool) -> None:
+def _say_prepared(res: dict, out: str, *, as_json: bool) -> None:
     """Process 0 reports what `data prepare` built: rows, tokens and time, or the JSON of it."""
     if not is_main_process():
         return
@@ -131,7 +132,7 @@ def _say_prepared(res: dict, out: Path, *, as_json: bool) -> None:
                         f"{res['seconds']}s -> {out}")
 
 
-def _prepare_inputs(config: Optional[Path], set_: List[str], out: Optional[Path], target: Optional[str],
+def _prepare_inputs(config: Optional[Path], set_: List[str], out: Optional[str], target: Optional[str],
                     flags: dict, *, as_json: bool):
     """What `data prepare` builds and from which prompts: the recipe's data directory, target (the
     flags win) and settings, or a DataSpec from the flags; the prompt records are read and checked
@@ -147,7 +148,7 @@ def _prepare_inputs(config: Optional[Path], set_: List[str], out: Optional[Path]
         from specjax.train.config import load_recipe
 
         cfg = load_recipe(config, set_)
-        out = Path(cfg.data.path) if out is None else out
+        out = cfg.data.path if out is None else out
         target = cfg.target if target is None else target
         done = read_meta(out)
         if done.get("complete"):
@@ -160,11 +161,12 @@ def _prepare_inputs(config: Optional[Path], set_: List[str], out: Optional[Path]
         raise typer.BadParameter("--set takes effect with --config only")
     if out is None:
         raise typer.BadParameter("give --out DIR (or --config RECIPE)")
+    storage.path(out)  # a bucket URL without its filesystem package fails here, before the target loads
     spec = DataSpec(**{**flags, "aux_layer_ids": _ids(flags["aux_layer_ids"])})
     return None, out, target, spec, spec_prompts(spec)  # the input checked before the target loads
 
 
-def _prepare_on_target(cfg, out: Path, target: Optional[str], spec, records, *, mesh: str, coordinator, num_processes,
+def _prepare_on_target(cfg, out: str, target: Optional[str], spec, records, *, mesh: str, coordinator, num_processes,
                        process_id, as_json: bool, download: bool) -> dict:
     """Set up the devices, load the target (into the mesh's shardings when it has several devices)
     and build the data directory from ``records``; with a recipe, its spec for the target's depth."""

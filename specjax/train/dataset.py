@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from bridge.atomic import atomic_file
+from specjax import storage
 from specjax.train.errors import DatasetError
 
 ARROW_NAME = "data-00000-of-00001.arrow"
@@ -151,7 +152,8 @@ def write_meta(directory: str | os.PathLike, meta: dict) -> None:
 
 
 def read_meta(directory: str | os.PathLike) -> dict:
-    p = Path(directory) / META_NAME
+    """``specjax_data.json`` of a data directory, local or on a bucket; {} when there is none."""
+    p = storage.path(directory) / META_NAME
     if not p.is_file():
         return {}
     try:

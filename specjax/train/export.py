@@ -28,8 +28,10 @@ from flax import nnx
 
 import bridge
 from bridge.config_doc import speculators_config_doc
+from bridge.errors import WriteError
 from bridge.hf_values import rope_parameters
 from bridge.layout import path_to_flat, to_torch
+from specjax import storage
 from specjax.models.drafts.load import build_draft, module_from_flat
 from specjax.models.drafts.registry import draft_class
 from specjax.models.drafts.verifier_weights import VerifierSource, fill_verifier_weights
@@ -164,9 +166,17 @@ def init_draft(config_doc: dict, target, *, seed: int, t2d=None, d2t=None, flat_
 
 def export_draft(out: str | os.PathLike, model, config_doc: dict, *, export_dtype: str = "bfloat16",
                  overwrite: bool = True, audit: bool = True, metadata: dict | None = None) -> Path:
-    """Write ``model`` as a speculators checkpoint (atomic), then ``bridge.audit`` it."""
-    import bridge
-
+    """Write ``model`` as a speculators checkpoint (atomic), then ``bridge.audit`` it. ``out`` may
+    be a bucket URL (``gs://...``): the checkpoint is written and audited in a local scratch
+    directory, then published with ``config.json`` last (an ``epath.Path`` is returned)."""
+    if storage.is_remote(out):
+        if not overwrite and storage.path(out).exists():
+            raise WriteError("destination exists; pass --overwrite (overwrite=True) to replace it", path=str(out))
+        with storage.scratch_dir() as tmp:
+            local = export_draft(Path(tmp) / "export", model, config_doc, export_dtype=export_dtype, audit=audit,
+                                 metadata=metadata)
+            storage.publish(local, out, markers=("config.json",), overwrite=overwrite, progress=False)
+        return storage.path(out)
     algo = config_doc["speculators_model_type"]
     flat = model_flat(model)
     full = config_doc.get("draft_vocab_size", config_doc["transformer_layer_config"]["vocab_size"]) == \

@@ -20,6 +20,10 @@ wandb          ``wandb.log({tag: value}, step=step)`` with the same tags, the re
 =============  ==========================================================================
 
 Non-numeric fields (strings, lists) go to ``metrics.jsonl`` only.
+
+A run directory on a bucket (``gs://...``): the sinks write into a local
+:class:`specjax.storage.Spool` (``metrics.jsonl`` fetched first, so a resumed run appends to it)
+and :meth:`Sinks.flush` (each checkpoint) and :meth:`Sinks.close` upload what changed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from specjax import storage
 from specjax.train.errors import TrainError
 
 SINKS = ("jsonl", "tensorboard", "wandb")
@@ -130,18 +135,24 @@ def _optional(module: str):
 
 
 class Sinks:
-    """Every sink of a run; ``write`` sends a record to each."""
+    """Every sink of a run; ``write`` sends a record to each. ``spool``: the local stand-in of a
+    remote run directory, uploaded by :meth:`flush` and :meth:`close`."""
 
-    def __init__(self, sinks: list):
-        self.sinks = sinks
+    def __init__(self, sinks: list, spool: storage.Spool | None = None):
+        self.sinks, self.spool = sinks, spool
 
     def write(self, rec: dict) -> None:
         for s in self.sinks:
             s.write(rec)
 
+    def flush(self) -> None:
+        if self.spool is not None:
+            self.spool.flush()
+
     def close(self) -> None:
         for s in self.sinks:
             s.close()
+        self.flush()
 
     def __enter__(self) -> "Sinks":
         return self
@@ -167,7 +178,8 @@ def open_sinks(run_dir: str | os.PathLike, names: list[str], *, config: dict | N
     """The sinks ``names`` (from :func:`parse_log_to`) of the run in ``run_dir``. ``resume_step``:
     the step a resumed run continues from (TensorBoard drops the points after it)."""
     check_available(names)
-    d = Path(run_dir)
+    spool = storage.Spool(run_dir, names=("metrics.jsonl",)) if storage.is_remote(run_dir) else None
+    d = spool.dir if spool is not None else Path(run_dir)
     d.mkdir(parents=True, exist_ok=True)
     out: list = []
     for n in names:
@@ -177,4 +189,4 @@ def open_sinks(run_dir: str | os.PathLike, names: list[str], *, config: dict | N
             out.append(TensorBoardSink(d / "tensorboard", purge_step=resume_step))
         else:
             out.append(WandbSink(d, config, wandb_project, resume_step is not None))
-    return Sinks(out)
+    return Sinks(out, spool)

@@ -22,6 +22,11 @@ command can fail on a bad input before it loads the target.
 Rows are shuffled with ``seed`` (numpy ``default_rng(seed).permutation``, what ``datasets``'
 ``shuffle`` uses) and ``hs_{i}`` is row ``i`` of the final order. ``specjax_data.json`` is
 written last and marks the directory complete.
+
+A bucket URL (``gs://b/data``) is built in its local cache directory
+(:func:`specjax.storage.cache_dir`, where an interrupted build resumes) and then published with
+``state.json`` and ``specjax_data.json`` uploaded last; training stages it back in
+(:func:`local_data_dir`: files already there with the remote size are not fetched again).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import numpy as np
 
 import specjax.sharding as shd
 from bridge.atomic import atomic_file
+from specjax import storage
 from specjax.train import dataset as ds
 from specjax.train.errors import DatasetError
 from specjax.train.hidden_states import (
@@ -52,6 +58,7 @@ from specjax.train.vocab import (
 
 FORMAT = "specjax-data-v1"
 STAGING = ".staging"
+MARKERS = ("state.json", ds.META_NAME)  # a remote data directory's files that say "complete", uploaded last
 
 
 @dataclass
@@ -86,7 +93,7 @@ def spec_prompts(spec) -> list[Conversation | PretokenizedRow]:
 
 def needs_prepare(cfg) -> bool:
     """Whether ``specjax train`` builds the recipe's ``data.path`` first (it has no rows yet)."""
-    return not (Path(cfg.data.path) / "state.json").is_file()
+    return not (storage.path(cfg.data.path) / "state.json").is_file()
 
 
 def recipe_prompts(cfg) -> list[Conversation | PretokenizedRow]:
@@ -308,6 +315,8 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
     Multi-process runs (``jax.distributed``): hidden-state extraction is split over every process's
     devices and process 0 alone writes files; regenerating answers is refused there (it runs on one
     host, over all of that host's devices): prepare on one host, then train multi-host."""
+    if storage.is_remote(out_dir):
+        return _prepare_remote(out_dir, spec, target, progress=progress, log=log, records=records)
     t0 = time.perf_counter()
     main = shd.is_main_process()
     records, aux, layer_ids = _check_inputs(out_dir, spec, target, records)
@@ -351,6 +360,33 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
         ds.write_meta(d, out)
     shd.sync("specjax-prepare-done")
     return out
+
+
+def _prepare_remote(url: str, spec: DataSpec, target, *, progress: bool, log, records) -> dict:
+    """:func:`prepare_data` for a bucket URL: built (or resumed) in its local cache directory, then
+    published (process 0) with the markers last. A finished local build whose upload did not
+    finish is uploaded again, if it has these settings."""
+    if ds.read_meta(url).get("complete"):
+        raise DatasetError("this data directory is already complete; use another --out (or delete it)", path=url)
+    local = storage.cache_dir(url)
+    meta = ds.read_meta(local)
+    if not meta.get("complete"):
+        meta = prepare_data(local, spec, target, progress=progress, log=log, records=records)
+    elif meta.get("spec") != json.loads(json.dumps(asdict(spec))) or meta.get("target") != str(target.source):
+        raise DatasetError(f"{local} holds a finished build for this URL with other settings (an upload that did "
+                           "not finish, or the copy of a deleted directory); delete it or prepare with the same "
+                           "settings", path=url)
+    elif log:
+        log(f"{local} is a finished build for {url}: uploading it")
+    if shd.is_main_process():
+        storage.publish(local, url, markers=MARKERS, overwrite=True, progress=progress)
+    shd.sync("specjax-prepare-upload")
+    return meta
+
+
+def local_data_dir(path, *, progress: bool = True) -> Path:
+    """A data directory to read: a local one as it is, a bucket URL's staged into its cache directory."""
+    return storage.stage_in(path, markers=MARKERS, progress=progress)
 
 
 def load_data_dir(path: str | os.PathLike) -> tuple[ds.TokenRows, dict]:

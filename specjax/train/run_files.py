@@ -6,13 +6,12 @@ target as the run needs it once the draft is built (:class:`TargetInfo`)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
-from bridge.atomic import atomic_file
+from specjax import storage
 from specjax.sharding import abstract_with_shardings
 from specjax.train.errors import ResumeError, TrainError
 from specjax.models.config import TargetConfig
@@ -47,10 +46,25 @@ def target_info_if_light(target) -> TargetInfo | None:
 
 
 def partial_saves(ckpt_dir: Path) -> list[Path]:
-    """Orbax's temporary directories of saves that never finished (``<step>.orbax-checkpoint-tmp-<n>``)."""
+    """Orbax's saves that never finished: local temporary directories (``<step>.orbax-checkpoint-tmp-<n>``),
+    on a bucket step directories without their commit file."""
     if not ckpt_dir.is_dir():
         return []
+    if storage.is_remote(ckpt_dir):
+        return sorted((p for p in ckpt_dir.iterdir() if p.name.isdigit() and not ocp.path.step.is_path_finalized(p)),
+                      key=str)
     return sorted(p for p in ckpt_dir.iterdir() if ".orbax-checkpoint-tmp" in p.name)
+
+
+def has_checkpoint(ckpt_dir: Path) -> bool:
+    """Whether a save finished here (a local step directory is renamed into place when complete; a
+    bucket's has its commit file)."""
+    if not ckpt_dir.is_dir():
+        return False
+    steps = [p for p in ckpt_dir.iterdir() if p.name.isdigit()]
+    if storage.is_remote(ckpt_dir):
+        return any(ocp.path.step.is_path_finalized(p) for p in steps)
+    return bool(steps)
 
 
 def keep_metrics_through(path: Path, step: int) -> None:
@@ -66,8 +80,14 @@ def keep_metrics_through(path: Path, step: int) -> None:
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
             kept.append(line)
-    with atomic_file(path, text=True) as f:
-        f.write("".join(k + "\n" for k in kept))
+    storage.write_text(path, "".join(k + "\n" for k in kept))
+
+
+def write_run_files(out: Path, cfg, parallel: dict) -> None:
+    """run.yaml (the resolved recipe) and resume.json (what a resume must share)."""
+    storage.write_text(out / "run.yaml", cfg.to_yaml())
+    storage.write_text(out / "resume.json", json.dumps({**cfg.resume_key(), PARALLEL_KEY: parallel}, indent=1,
+                                                       sort_keys=True))
 
 
 def check_output_dir(out: Path, cfg, *, resume: bool, overwrite: bool, replicas: int, mesh_desc: str,
@@ -76,7 +96,7 @@ def check_output_dir(out: Path, cfg, *, resume: bool, overwrite: bool, replicas:
     finished run without ``overwrite``); with ``overwrite``, clear it (process 0). Returns whether
     a resume must start over (killed before its first save finished)."""
     ck = out / "checkpoints"
-    has = ck.is_dir() and any(p.name.isdigit() for p in ck.iterdir())
+    has = has_checkpoint(ck)
     if resume:
         rj = out / "resume.json"
         from_scratch = False
@@ -95,11 +115,7 @@ def check_output_dir(out: Path, cfg, *, resume: bool, overwrite: bool, replicas:
                              "to start over", path=str(out))
         if main:
             for sub in ("checkpoints", "best", "last", "metrics.jsonl", "summary.json", "resume.json"):
-                p = out / sub
-                if p.is_dir():
-                    shutil.rmtree(p)
-                elif p.exists():
-                    p.unlink()
+                storage.remove(out / sub)
     return False
 
 
@@ -125,7 +141,7 @@ def _check_resume_identity(rj: Path, cfg, replicas: int, mesh_desc: str) -> None
 def checkpoint_manager(ckpt_dir: Path, keep: int) -> ocp.CheckpointManager:
     """The run's Orbax manager (synchronous saves: a save has finished when the call returns)."""
     opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(ckpt_dir.absolute(), options=opts)
+    return ocp.CheckpointManager(storage.absolute(ckpt_dir), options=opts)
 
 
 def save_state(mngr, step: int, state: dict, extra: dict) -> None:

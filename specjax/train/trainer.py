@@ -46,7 +46,6 @@ exports, and prints progress.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +57,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from bridge.atomic import atomic_file
+from specjax import storage
 from specjax.models.loading import LoadedTarget
 from specjax.sharding import batch_divisor, batch_sharding, describe, is_main_process, make_mesh, sync
 from specjax.sharding.placement import Placement
@@ -76,13 +75,14 @@ from specjax.train.metric_sinks import check_available, open_sinks
 from specjax.train.objectives import normalize_metrics
 from specjax.train.online import OnlineStates
 from specjax.train.optim import build_optimizer, resolve_schedule_steps
-from specjax.train.pipeline import load_data_dir, needs_prepare, prepare_data, recipe_data_spec, recipe_prompts
+from specjax.train.pipeline import (
+    load_data_dir, local_data_dir, needs_prepare, prepare_data, recipe_data_spec, recipe_prompts,
+)
 from specjax.train.run_files import (
-    PARALLEL_KEY, TargetInfo, check_output_dir, checkpoint_manager, keep_metrics_through, partial_saves, restore_state,
-    save_state, target_info_if_light,
+    TargetInfo, check_output_dir, checkpoint_manager, keep_metrics_through, partial_saves, restore_state, save_state,
+    target_info_if_light, write_run_files,
 )
 from specjax.train.step import device_batch, make_step_fns
-
 
 
 class Run:
@@ -102,7 +102,7 @@ class Run:
         self.main = is_main_process()
         self.log = (log or (lambda s: None)) if self.main else (lambda s: None)
         self.progress = progress and self.main
-        self.out = Path(cfg.trainer.output_dir)
+        self.out = storage.path(cfg.trainer.output_dir)  # an epath.Path for a bucket URL
         self.resume = resume
         self._parallel(mesh, data_parallel)
         self.log_to = list(dict.fromkeys(["jsonl", *(log_to or [])]))  # metrics.jsonl always: resume reads it
@@ -117,8 +117,7 @@ class Run:
         n = target.config.num_hidden_layers
         self.aux = list(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else default_aux_layer_ids(n)
         self.layer_ids = cache_layer_ids(self.aux, n)
-        ddir = Path(cfg.data.path)
-        rows = self._data(ddir, records)
+        ddir, rows = self._data(storage.path(cfg.data.path), records)
         tr = self._feeds(ddir, rows)
         Vd = self._vocabulary(ddir, rows)
         self.config_doc = draft_config_doc(cfg, target, aux_layer_ids=self.aux, draft_vocab_size=Vd)
@@ -148,8 +147,9 @@ class Run:
             raise TrainError("target must be a LoadedTarget")
         return target
 
-    def _data(self, ddir: Path, records):
-        """The tokenized rows (prepared first when the recipe says how), checked against the target."""
+    def _data(self, ddir, records):
+        """The local data directory (a bucket's staged) and its tokenized rows (prepared first when the
+        recipe says how), checked against the target."""
         cfg, tc = self.cfg, self.target.config
         n = tc.num_hidden_layers
         if not (ddir / "state.json").is_file():
@@ -159,6 +159,7 @@ class Run:
             self.log(f"preparing data in {ddir}")
             prepare_data(ddir, recipe_data_spec(cfg, n), self.target, progress=self.progress, log=self.log,
                          records=records)
+        ddir = local_data_dir(ddir, progress=self.progress)
         rows, meta = load_data_dir(ddir)
         self.data_meta = meta
         if meta:
@@ -174,7 +175,7 @@ class Run:
             if int(rows.input_ids[i].max(initial=0)) >= tc.vocab_size:
                 raise DatasetError(f"row {i} has token id {int(rows.input_ids[i].max())} >= the target vocabulary "
                                    f"({tc.vocab_size})", path=str(ddir), key="input_ids")
-        return rows
+        return ddir, rows
 
     def _feeds(self, ddir: Path, rows):
         """Where hidden states come from (the cache, checked, or the target online) and the train /
@@ -355,7 +356,8 @@ class Run:
         sync("specjax-train-start")
         params, opt_state, mngr, start, best = self._begin()
         parallel = {"rows_per_step": self.replicas, "mesh": self.mesh_desc}
-        self._write_run_files(parallel)
+        if self.main:
+            write_run_files(self.out, cfg, parallel)
         items = schedule_items(self.train_data, start, self.total_steps, cfg.trainer.epochs)
         # TensorBoard drops points at steps > start (the killed run's); the restored step's stay
         sinks = open_sinks(self.out, self.log_to, config=cfg.model_dump(mode="json"),
@@ -380,6 +382,7 @@ class Run:
             if lp.step % cfg.trainer.checkpoint_every == 0 or lp.step == self.total_steps or timeout or killed:
                 self.save(mngr, lp.step, params, opt_state, {"step": lp.step, "best": lp.best,
                                                              "fingerprint": cfg.fingerprint(), "parallel": parallel})
+                lp.flush()  # a remote run's metrics reach the bucket with each checkpoint
             if timeout or killed:
                 lp.stopped = "max_minutes" if timeout else "stop_after"
                 break
@@ -400,7 +403,7 @@ class Run:
         start, best = 0, {"val_loss": None, "step": None}
         if self.resume and self.main:
             for p in partial_saves(self.out / "checkpoints"):  # a save the kill interrupted
-                shutil.rmtree(p, ignore_errors=True)
+                storage.remove(p, ignore_errors=True)
         if self.resume and self.resume_from_scratch:
             self.log("no complete checkpoint: the run was stopped before its first save finished; starting it over "
                      "from step 0 (the same state)")
@@ -411,14 +414,6 @@ class Run:
         if self.resume and self.main:
             keep_metrics_through(self.out / "metrics.jsonl", start)
         return params, opt_state, mngr, start, best
-
-    def _write_run_files(self, parallel: dict) -> None:
-        """run.yaml (the resolved recipe) and resume.json (what a resume must share): process 0."""
-        if self.main:
-            with atomic_file(self.out / "run.yaml", text=True) as f:
-                f.write(self.cfg.to_yaml())
-            with atomic_file(self.out / "resume.json", text=True) as f:
-                f.write(json.dumps({**self.cfg.resume_key(), PARALLEL_KEY: parallel}, indent=1, sort_keys=True))
 
     def _log_step(self, lp: "_Loop", m, gstep: int, epoch: int, tok: int, bar) -> None:
         """One metrics record (sinks) and the progress bar's figures."""
@@ -465,8 +460,7 @@ class Run:
         if lp.stopped != "stop_after":
             summary["last"] = str(self.export("last", params, {"step": lp.step}))
             if self.main:
-                with atomic_file(self.out / "summary.json", text=True) as f:
-                    f.write(json.dumps(summary, indent=2, default=str))
+                storage.write_text(self.out / "summary.json", json.dumps(summary, indent=2, default=str))
         self.params, self.opt_state = params, opt_state
         return summary
 
@@ -488,6 +482,10 @@ class _Loop:
     def write(self, rec: dict) -> None:
         if self.sinks is not None:
             self.sinks.write(rec)
+
+    def flush(self) -> None:
+        if self.sinks is not None:
+            self.sinks.flush()
 
 
 def train(cfg: TrainConfig, *, target=None, mesh=None, data_parallel: int | None = None, resume: bool = False,
