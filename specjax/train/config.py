@@ -113,6 +113,10 @@ class DataArgs(_Section):
     max_anchors: int = Field(512, ge=1)
     prompt_loss: bool = Field(False, description="also supervise the prompt positions of training rows (KL to the "
                               "target's own distribution there); validation keeps the assistant-only mask")
+    max_context_tokens: int | None = Field(None, ge=0, description="train on at most this many prompt positions "
+                                           "before each row's first supervised token (the rest of the prompt is "
+                                           "dropped from the training row: its cost goes to more answers); "
+                                           "validation keeps whole rows")
 
 
 class LossArgs(_Section):

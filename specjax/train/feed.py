@@ -22,7 +22,8 @@ class TrainData:
     """Rows of a data directory with their cached hidden states, packed per (seed, epoch)."""
 
     def __init__(self, data_dir: str | os.PathLike, rows, indices, *, algo: str, num_aux: int, hidden_size: int,
-                 total_seq_len: int, seed: int, replicas: int = 1, prompt_loss: bool = False, online=None):
+                 total_seq_len: int, seed: int, replicas: int = 1, prompt_loss: bool = False, online=None,
+                 max_context_tokens: int | None = None):
         self.dir = Path(data_dir)
         self.online = online  # specjax.train.online.OnlineStates: hidden states from the target, not the cache
         self.rows = rows
@@ -35,15 +36,34 @@ class TrainData:
         self.seed = seed
         self.replicas = int(replicas)
         self.prompt_loss = bool(prompt_loss)  # every position supervised (the targets are the target's logits)
+        # at most this many unsupervised positions kept before a row's first supervised one (None: all)
+        self.context = None if prompt_loss or max_context_tokens is None else int(max_context_tokens)
+        self._starts: dict[int, int] = {}
         self._epochs: dict[int, list[np.ndarray]] = {}
         self._steps: dict[int, list[tuple[np.ndarray, ...]]] = {}
 
     def __len__(self) -> int:
         return len(self.indices)
 
+    def start(self, i: int) -> int:
+        """Where row ``i``'s training slice begins: 0, or ``max_context_tokens`` before its first
+        supervised position (the prompt beyond that is dropped; the kept positions' hidden states are
+        the target's over the whole prompt, so only the draft's own attention span shrinks)."""
+        if self.context is None:
+            return 0
+        if i not in self._starts:
+            sup = np.flatnonzero(np.asarray(self.rows.loss_mask[i]))
+            self._starts[i] = max(0, int(sup[0]) - self.context) if len(sup) else 0
+        return self._starts[i]
+
+    def length(self, i: int) -> int:
+        """Row ``i``'s training length (after :meth:`start`)."""
+        i = int(i)
+        return len(self.rows.input_ids[i]) - self.start(i)
+
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         if epoch not in self._epochs:
-            lens = [len(self.rows.input_ids[i]) for i in self.indices]
+            lens = [self.length(i) for i in self.indices]
             self._epochs[epoch] = [self.indices[b] for b in
                                    multipack_batches(lens, self.T, seed=self.seed, epoch=epoch)]
         return self._epochs[epoch]
@@ -56,7 +76,7 @@ class TrainData:
             if self.replicas == 1:
                 self._steps[epoch] = [(b,) for b in self.epoch_batches(epoch)]
             else:
-                lens = [len(self.rows.input_ids[i]) for i in self.indices]
+                lens = [self.length(i) for i in self.indices]
                 per_rank = [multipack_batches(lens, self.T, seed=self.seed, epoch=epoch, num_replicas=self.replicas,
                                               rank=r) for r in range(self.replicas)]
                 self._steps[epoch] = [tuple(self.indices[b] for b in step) for step in zip(*per_rank)]
@@ -65,7 +85,7 @@ class TrainData:
     def tokens(self, idx: np.ndarray) -> int:
         """Non-padding positions of the packed row of ``idx`` (from the row lengths alone)."""
         shift = 1 if self.shift is not None else 0
-        return min(self.T, sum(max(len(self.rows.input_ids[int(i)]) - shift, 0) for i in idx))
+        return min(self.T, sum(max(self.length(i) - shift, 0) for i in idx))
 
     def sample(self, i: int) -> dict:
         ids = self.rows.input_ids[i]
@@ -80,9 +100,10 @@ class TrainData:
                                             key="token_ids")
         T = hs.shape[0]
         mask = np.ones(T, np.int64) if self.prompt_loss else np.asarray(self.rows.loss_mask[i], np.int64)
-        return {"hidden_states": hs[:, :-1].reshape(T, -1), "input_ids": np.asarray(ids, np.int64),
-                "verifier_last_hidden_states": hs[:, -1], "loss_mask": mask,
-                "position_ids": np.arange(T, dtype=np.int64)}
+        a = self.start(i)
+        return {"hidden_states": hs[a:, :-1].reshape(T - a, -1), "input_ids": np.asarray(ids[a:], np.int64),
+                "verifier_last_hidden_states": hs[a:, -1], "loss_mask": mask[a:],
+                "position_ids": np.arange(a, T, dtype=np.int64)}
 
     def batch(self, idx: np.ndarray) -> dict:
         return collate([self.sample(int(i)) for i in idx], self.T, hidden_size=self.hidden, num_aux=self.num_aux,

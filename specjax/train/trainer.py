@@ -195,7 +195,8 @@ class Run:
         mk = dict(algo=cfg.speculator_type, num_aux=len(self.aux), hidden_size=tc.hidden_size,
                   total_seq_len=cfg.data.total_seq_len, seed=cfg.seed, online=self.online)
         self.train_data = TrainData(ddir, rows, tr, replicas=self.replicas,
-                                    prompt_loss=cfg.data.prompt_loss, **mk)
+                                    prompt_loss=cfg.data.prompt_loss,
+                                    max_context_tokens=cfg.data.max_context_tokens, **mk)
         self.val_data = TrainData(ddir, rows, va, **mk) if len(va) else None  # packed as on one device
         return tr
 

@@ -392,3 +392,37 @@ def test_multi_process_regeneration_is_refused_before_any_work(tmp_path, tiny_ta
     with pytest.raises(DatasetError, match="regenerating answers runs in one process; this run has 2"):
         prepare_data(tmp_path / "d", spec, tiny_target, progress=False)
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("context", [0, 3, 10_000])
+def test_max_context_tokens_keeps_every_supervised_position(tiny_data, context):
+    """``data.max_context_tokens``: a training row keeps every supervised position and at most
+    ``context`` prompt positions before the first one (a tail of the whole row, its positions kept);
+    packing sees the shortened lengths; a context longer than every prompt changes nothing."""
+    from specjax.train.feed import TrainData
+
+    rows, _ = load_data_dir(tiny_data)
+    mk = dict(algo="eagle3", num_aux=3, hidden_size=32, total_seq_len=256, seed=0)
+    whole = TrainData(tiny_data, rows, range(len(rows)), **mk)
+    cut = TrainData(tiny_data, rows, range(len(rows)), max_context_tokens=context, **mk)
+    dropped = 0
+    for i in range(len(rows)):
+        a, b = whole.sample(i), cut.sample(i)
+        first = int(np.flatnonzero(a["loss_mask"])[0])
+        start = max(0, first - context)
+        dropped += start
+        assert cut.length(i) == len(a["input_ids"]) - start == len(b["input_ids"])
+        assert int(np.flatnonzero(b["loss_mask"])[0]) == min(first, context)
+        for k in a:
+            np.testing.assert_array_equal(b[k], a[k][start:], err_msg=k)
+        assert b["loss_mask"].sum() == a["loss_mask"].sum()
+    if context == 10_000:
+        assert dropped == 0
+        assert [list(x) for x in cut.epoch_batches(0)] == [list(x) for x in whole.epoch_batches(0)]
+    else:
+        assert dropped > 0
+        total = sum(cut.tokens(b) for b in cut.epoch_batches(0))
+        assert total == sum(max(cut.length(i) - 1, 0) for i in range(len(rows)))
+    # prompt_loss supervises the prompt itself: nothing is cut
+    full = TrainData(tiny_data, rows, range(len(rows)), max_context_tokens=context, prompt_loss=True, **mk)
+    assert all(full.length(i) == len(rows.input_ids[i]) for i in range(len(rows)))
