@@ -84,7 +84,7 @@ for set in code prose; do
   "$SJ" data prompts "eval-$set" --out "runs/eval/$set.jsonl" --n "$N_EVAL" >/dev/null
   echo "== bench: held-out $set prompts, one prompt at a time, k=3, up to $NEW_TOKENS new tokens"
   "$SJ" bench --target default --draft "$DRAFT" --prompts "runs/eval/$set.jsonl" --k 3 --batch-size 1 \
-    --max-new-tokens "$NEW_TOKENS" --plot "$RUN/bench-$set.png" --json | tee "$RUN/bench-$set.json"
+    --max-new-tokens "$NEW_TOKENS" --prompt-bucket 128 --plot "$RUN/bench-$set.png" --json | tee "$RUN/bench-$set.json"
   lap "bench-$set"
 done
 

@@ -69,6 +69,9 @@ def bench_cmd(
     plot_path: Optional[str] = typer.Option(None, "--plot", help="write a PNG: per-position acceptance and the "
                                             "tokens-per-step histogram"),
     repeats: int = typer.Option(1, "--repeats", min=1, help="interleaved passes; each side's fastest is kept"),
+    prompt_bucket: int = typer.Option(32, "--prompt-bucket", min=8,
+                                      help="prompts pad to a multiple of this; one compile of each loop per "
+                                      "multiple in use (larger: fewer compiles, more padded prefill)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="progress bar over prompts (stderr)"),
     mesh: str = shcli.mesh_option(),
     coordinator: Optional[str] = shcli.coordinator_option(),
@@ -84,7 +87,7 @@ def bench_cmd(
             target=target, draft=draft, k=k, temperature=temperature, top_p=top_p, top_k=top_k,
             max_new_tokens=max_new_tokens, batch_size=batch_size, max_samples=max_samples, shuffle_seed=shuffle_seed,
             chat=chat, draft_sampling=draft_sampling, lossless=lossless, seed=seed, dtype=dtype, cache_dir=cache_dir,
-            plot_path=plot_path, repeats=repeats, progress=progress, download=download)
+            plot_path=plot_path, repeats=repeats, prompt_bucket=prompt_bucket, progress=progress, download=download)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
     if not main:  # multi-process: every process ran the same bench; one reports
@@ -98,7 +101,7 @@ def bench_cmd(
 
 def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target, draft, k, temperature, top_p, top_k,
                max_new_tokens, batch_size, max_samples, shuffle_seed, chat, draft_sampling, lossless, seed, dtype,
-               cache_dir, plot_path, repeats, progress, download):
+               cache_dir, plot_path, repeats, prompt_bucket, progress, download):
     """Set up the devices, read the prompts, load the target and draft (into the mesh's shardings
     when it has several devices) and run both sides; with --plot, process 0 draws it. Returns
     ``(report, device mesh, whether this is the main process)``."""
@@ -125,7 +128,8 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
     rep = bench.run_bench(lt.model, sd, ids, k=k, sampling=sampling, max_new_tokens=max_new_tokens,
                           batch_size=batch_size, seed=seed, eos_token_ids=lt.eos_token_ids,
                           pad_id=tok.pad_token_id if tok is not None else None, draft_sampling=draft_sampling,
-                          lossless=lossless, progress=progress, repeats=repeats, extra={"target": lt.source},
+                          lossless=lossless, progress=progress, repeats=repeats, prompt_bucket=prompt_bucket,
+                          extra={"target": lt.source},
                           mesh=dev_mesh if sharded else None)
     if plot_path:
         if main:
