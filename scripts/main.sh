@@ -50,13 +50,26 @@ cd "$ROOT"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 VENV="${SPECJAX_VENV:-$ROOT/.venv}"
 SJ="$VENV/bin/specjax"
-# where the recipe writes its data and its run
-read -r DATA RUN < <("$VENV/bin/python" -c "
-import sys
+# where the recipe writes its data and its run, and whether a run there was trained with other
+# settings (an older recipe): OTHER lists the settings that differ
+read -r DATA RUN OTHER < <("$VENV/bin/python" -c "
+import json, sys
+from pathlib import Path
 from specjax.train.config import load_recipe
-c = load_recipe(sys.argv[1]); print(c.data.path, c.trainer.output_dir)" "$RECIPE")
+c = load_recipe(sys.argv[1])
+rj = Path(c.trainer.output_dir) / 'resume.json'
+other = []
+if rj.is_file():
+    old = {k: v for k, v in json.loads(rj.read_text()).items() if not k.startswith('_')}
+    new = c.resume_key()
+    other = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+print(c.data.path, c.trainer.output_dir, ','.join(other) or '-')" "$RECIPE")
 if [ "$FRESH" = 1 ]; then
   rm -rf "$DATA" "$RUN"
+elif [ "$OTHER" != "-" ]; then  # kept, not overwritten: moved aside, and this recipe trains anew
+  OLD="$RUN.old-$(date +%Y%m%d-%H%M%S)"
+  mv "$RUN" "$OLD"
+  echo "== $RUN held a run of other settings (differs in $OTHER): moved to $OLD"
 fi
 
 echo "== data: $DATA (resumes a partial build)"
