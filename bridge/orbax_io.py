@@ -10,6 +10,7 @@ Layout of the directory (one Orbax composite checkpoint):
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from pathlib import Path
@@ -62,6 +63,17 @@ def _drop_closed_loop_callbacks() -> None:
 
     hook._specjax_closed_loop_filter = True
     sys.unraisablehook = hook
+    # the same reads' futures, when collected before the loop closes, log "Future exception was
+    # never retrieved" through asyncio's logger instead (with tensorstore's error): dropped too
+    logging.getLogger("asyncio").addFilter(_unread_tensorstore_future)
+
+
+def _unread_tensorstore_future(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's "Future exception was never retrieved" about a tensorstore read."""
+    if not str(record.msg).startswith("Future exception was never retrieved"):
+        return True
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and "tensorstore_spec" in str(exc))
 
 
 def _is_closed_loop_callback(unraisable) -> bool:

@@ -116,12 +116,10 @@ def save_token_freq(path: str | os.PathLike, freq: Mapping[int, int]) -> Path:
     stem = path.stem or "archive"
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as z:
-        z.writestr(f"{stem}/data.pkl", data)
-        z.writestr(f"{stem}/.format_version", b"1")
-        z.writestr(f"{stem}/.storage_alignment", b"64")
-        z.writestr(f"{stem}/byteorder", b"little")
-        z.writestr(f"{stem}/version", b"3\n")
-        z.writestr(f"{stem}/.data/serialization_id", b"0" * 40)
+        for name, body in (("data.pkl", data), (".format_version", b"1"), (".storage_alignment", b"64"),
+                           ("byteorder", b"little"), ("version", b"3\n"), (".data/serialization_id", b"0" * 40)):
+            # a fixed entry time (a name alone stamps the current time): the same counts, the same bytes
+            z.writestr(zipfile.ZipInfo(f"{stem}/{name}", date_time=(1980, 1, 1, 0, 0, 0)), body)
     with atomic_file(path) as f:
         f.write(buf.getvalue())
     return path
