@@ -56,13 +56,10 @@ read -r DATA RUN OTHER < <("$VENV/bin/python" -c "
 import json, sys
 from pathlib import Path
 from specjax.train.config import load_recipe
+from specjax.train.run_files import changed_settings
 c = load_recipe(sys.argv[1])
 rj = Path(c.trainer.output_dir) / 'resume.json'
-other = []
-if rj.is_file():
-    old = {k: v for k, v in json.loads(rj.read_text()).items() if not k.startswith('_')}
-    new = c.resume_key()
-    other = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+other = changed_settings(json.loads(rj.read_text()), c) if rj.is_file() else []
 print(c.data.path, c.trainer.output_dir, ','.join(other) or '-')" "$RECIPE")
 if [ "$FRESH" = 1 ]; then
   rm -rf "$DATA" "$RUN"

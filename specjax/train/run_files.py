@@ -119,6 +119,14 @@ def check_output_dir(out: Path, cfg, *, resume: bool, overwrite: bool, replicas:
     return False
 
 
+def changed_settings(old: dict, cfg) -> list[str]:
+    """The resume-key settings in which ``cfg`` differs from a run's ``resume.json`` contents
+    ``old`` (its parallel layout left out), sorted."""
+    old = {k: v for k, v in old.items() if k != PARALLEL_KEY}
+    new = cfg.resume_key()
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
 def _check_resume_identity(rj: Path, cfg, replicas: int, mesh_desc: str) -> None:
     """The resumed run's rows per step and recipe (its resume key) must equal the original's."""
     old = json.loads(rj.read_text(encoding="utf-8"))
@@ -130,9 +138,9 @@ def _check_resume_identity(rj: Path, cfg, replicas: int, mesh_desc: str) -> None
             f"{mesh_desc} gives {replicas} (data x fsdp), which changes the data order. Resume on "
             f"a mesh whose data x fsdp is {old_n} (or pass data_parallel={old_n}), or start a new "
             "trainer.output_dir", path=str(rj), key="data_parallel")
-    new = cfg.resume_key()
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    changed = changed_settings(old, cfg)
     if changed:
+        new = cfg.resume_key()
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:6])
         raise ResumeError(f"the recipe changed in a way that breaks resumption ({detail}); resume with the "
                           "original recipe or start a new trainer.output_dir", path=str(rj), key=changed[0])
