@@ -73,6 +73,16 @@ def bench_cmd(
                                       help="prompts pad to a multiple of this; one compile of each loop per "
                                       "multiple in use (larger: fewer compiles, more padded prefill)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="progress bar over prompts (stderr)"),
+    tree: Optional[str] = typer.Option(None, "--tree", help="also bench a token tree (one device): 'auto' (calibrate "
+                                       "per-depth/per-rank acceptance on the first --tree-calibration batches, time "
+                                       "each candidate's verify and draft, pick the best predicted speedup) or "
+                                       "vLLM's speculative_token_tree path list, e.g. \"[(0,), (1,), (0, 0)]\""),
+    tree_topk: Optional[int] = typer.Option(None, "--tree-topk", min=1, help="a dynamic (EAGLE-2) tree: children "
+                                            "per expanded node (with --tree-depth, --tree-nodes)"),
+    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", min=1, help="dynamic tree: levels"),
+    tree_nodes: Optional[int] = typer.Option(None, "--tree-nodes", min=1, help="dynamic tree: drafted nodes kept"),
+    tree_calibration: int = typer.Option(4, "--tree-calibration", min=1,
+                                         help="--tree auto: batches decoded with the calibration tree"),
     mesh: str = shcli.mesh_option(),
     coordinator: Optional[str] = shcli.coordinator_option(),
     num_processes: Optional[int] = shcli.num_processes_option(),
@@ -87,7 +97,9 @@ def bench_cmd(
             target=target, draft=draft, k=k, temperature=temperature, top_p=top_p, top_k=top_k,
             max_new_tokens=max_new_tokens, batch_size=batch_size, max_samples=max_samples, shuffle_seed=shuffle_seed,
             chat=chat, draft_sampling=draft_sampling, lossless=lossless, seed=seed, dtype=dtype, cache_dir=cache_dir,
-            plot_path=plot_path, repeats=repeats, prompt_bucket=prompt_bucket, progress=progress, download=download)
+            plot_path=plot_path, repeats=repeats, prompt_bucket=prompt_bucket, progress=progress, download=download,
+            tree=tree, tree_topk=tree_topk, tree_depth=tree_depth, tree_nodes=tree_nodes,
+            tree_calibration=tree_calibration)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
     if not main:  # multi-process: every process ran the same bench; one reports
@@ -101,17 +113,25 @@ def bench_cmd(
 
 def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target, draft, k, temperature, top_p, top_k,
                max_new_tokens, batch_size, max_samples, shuffle_seed, chat, draft_sampling, lossless, seed, dtype,
-               cache_dir, plot_path, repeats, prompt_bucket, progress, download):
+               cache_dir, plot_path, repeats, prompt_bucket, progress, download, tree=None, tree_topk=None,
+               tree_depth=None, tree_nodes=None, tree_calibration=4):
     """Set up the devices, read the prompts, load the target and draft (into the mesh's shardings
     when it has several devices) and run both sides; with --plot, process 0 draws it. Returns
     ``(report, device mesh, whether this is the main process)``."""
     from specjax.decode import bench
     from specjax.decode.sampling import SamplingParams
     from specjax.decode.speculative import load_spec_draft
+    from specjax.decode.tree_loop import tree_option
     from specjax.sharding.placement import Placement
 
     dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
     sharded = dev_mesh.size > 1
+    auto = tree is not None and tree.strip() == "auto"
+    tree_spec = "auto" if auto else tree_option(tree, topk=tree_topk, depth=tree_depth, num_nodes=tree_nodes)
+    if auto and any(x is not None for x in (tree_topk, tree_depth, tree_nodes)):
+        raise ValueError("--tree auto chooses a static tree; drop --tree-topk/--tree-depth/--tree-nodes")
+    if tree_spec is not None and sharded:
+        raise ValueError(f"a token tree (--tree / --tree-topk ...) runs on one device, not on {describe(dev_mesh)}")
     main = is_main_process()
     progress = progress and main
     dt = None if dtype == "auto" else dtype
@@ -130,7 +150,7 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
                           pad_id=tok.pad_token_id if tok is not None else None, draft_sampling=draft_sampling,
                           lossless=lossless, progress=progress, repeats=repeats, prompt_bucket=prompt_bucket,
                           extra={"target": lt.source},
-                          mesh=dev_mesh if sharded else None)
+                          mesh=dev_mesh if sharded else None, tree=tree_spec, tree_calibration=tree_calibration)
     if plot_path:
         if main:
             bench.plot(rep, plot_path)
@@ -159,3 +179,26 @@ def _print_bench(d: dict, dev_mesh) -> None:
               f"(ratio {d['speedup_over_predicted_with_verify_cost']:.2f})")
     if "identical_greedy_outputs" in d:
         out.print(f"identical greedy outputs: {d['identical_greedy_outputs']}")
+    if "tree" in d:
+        _print_tree(out, d)
+
+
+def _print_tree(out, d: dict) -> None:
+    t = d["tree"]
+    shape = (f"{t['nodes']} nodes, depth {t['depth']}" if t["kind"] == "static"
+             else f"dynamic top-{t['topk']}, depth {t['depth']}, {t['nodes']} nodes")
+    if "auto" in t:
+        a = t["auto"]
+        out.print("tree auto: rank acceptance by depth (rank 0..): "
+                  + "; ".join(", ".join(f"{x:.2f}" for x in row) for row in a["calibration"]["rank_acceptance"]))
+        for c in a["candidates"]:
+            out.print(f"  {c['nodes']:>3} nodes depth {c['depth']}: predicted tau {c['predicted_tau']:.2f}, "
+                      f"draft {c['draft_ms']:.1f} ms + verify {c['verify_ms']:.1f} ms, predicted "
+                      f"{c['predicted_speedup']:.2f}x")
+    out.print(f"tree ({shape}): tau {t['tau']:.3f}, {t['speculative']['tok_s']:.1f} tok/s: speedup {t['speedup']:.2f}x "
+              f"({t['speedup_over_chain']:.2f}x the chain), predicted {t['predicted_speedup']:.2f}x; verify "
+              f"{t['cost']['verify_ms']:.1f} ms ({t['cost']['verify_overhead']:.2f}x a step), draft "
+              f"{t['cost']['draft_ms']:.1f} ms" + (f"; identical greedy outputs {t['identical_greedy_outputs']}"
+                                                    if "identical_greedy_outputs" in t else ""))
+    if t["kind"] == "static":
+        out.print(f"tree paths: {[tuple(p) for p in t['paths']]}")

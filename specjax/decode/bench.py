@@ -51,6 +51,9 @@ from specjax.decode.generate import generate_ids
 from specjax.decode.sampling import GREEDY, SamplingParams
 from specjax.decode.spec_stats import SpecStats, alpha_from_tau, predicted_speedup
 from specjax.decode.speculative import Pair, SpecDraft, place_pair, resolve_k, speculative_generate_ids, split_pair
+from specjax.decode import tree_auto
+from specjax.decode.tree import TokenTree
+from specjax.decode.tree_loop import as_tree, tree_generate_ids
 from specjax.models import panels
 
 
@@ -129,12 +132,17 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
               sampling: SamplingParams = GREEDY, max_new_tokens: int = 64, batch_size: int = 4, seed: int = 0,
               eos_token_ids: Sequence[int] | None = None, pad_id: int | None = None, draft_sampling: str = "greedy",
               lossless: bool = False, progress: bool = True, cost_iters: int = 10, repeats: int = 1,
-              prompt_bucket: int = 32, extra: dict | None = None, mesh=None) -> BenchReport:
+              prompt_bucket: int = 32, extra: dict | None = None, mesh=None, tree=None,
+              tree_calibration: int = 4) -> BenchReport:
     """Run the comparison (see the module docstring). ``target``: a ``CausalLM``; ``draft``: a
     :class:`SpecDraft`; prompts as token ids. ``repeats`` > 1 runs the whole interleaved pass again
     (same seeds, same outputs) and keeps each side's fastest pass. ``prompt_bucket``: prompts pad
     to a multiple of it (each multiple in use compiles both loops once). ``mesh``: run sharded (module
-    docstring); the report gains ``"mesh"``. Returns a :class:`BenchReport`."""
+    docstring); the report gains ``"mesh"``. ``tree``: also run the tree loop on the same batches
+    (a third side, interleaved; one device): a :class:`specjax.decode.tree.TokenTree`, a path list,
+    a :class:`specjax.decode.tree_loop.DynamicTreeSpec`, or ``"auto"`` (calibrated on the first
+    ``tree_calibration`` batches and chosen by :mod:`specjax.decode.tree_auto`); the report gains
+    ``"tree"``. Returns a :class:`BenchReport`."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     prompts = [list(p) for p in prompt_ids]
@@ -143,32 +151,41 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     kk = resolve_k(draft, k)
     if mesh is not None and mesh.size <= 1:
         mesh = None
+    if tree is not None and mesh is not None:
+        raise ValueError("the tree loop runs on one device: bench a token tree without a mesh")
     sides = _Sides(target, draft, prompts, kk, batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh,
                    common=dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids,
                                pad_id=pad_id, mesh=mesh),
                    spec_kw=dict(draft_sampling=draft_sampling, lossless=lossless))
-    compile_base, compile_spec, firsts = sides.warm(seed)
+    auto = None
+    if tree is not None:
+        auto = sides.set_tree(tree, seed=seed, draft_sampling=draft_sampling, calibration=tree_calibration,
+                              cost_iters=cost_iters, progress=progress)
+    compile_s, firsts = sides.warm(seed)
     timed = sides.timed_passes(seed, repeats, progress)
-    compile_base -= sum(timed.one_base[j] for j in firsts)  # the warm-up's own run is not compile time
-    compile_spec -= sum(timed.one_spec[j] for j in firsts)
-    fix_base, fix_spec = sides.fixed_costs(seed)
+    for side in compile_s:  # the warm-up's own run is not compile time
+        compile_s[side] -= sum(timed.one[side][j] for j in firsts)
+    fixed = sides.fixed_costs(seed)
     # the probes' caches: the batches' mean bucket (half filled by the generation, as in the loop)
-    cost = measure_costs(sides.target, draft.module, batch=batch_size, prompt_len=bucket(int(np.mean(sides.lens))),
+    probe_len = bucket(int(np.mean(sides.lens)))
+    cost = measure_costs(sides.target, draft.module, batch=batch_size, prompt_len=probe_len,
                          max_new_tokens=max_new_tokens, k=kk, iters=cost_iters, split=sides.split, mesh=mesh)
     data, pred_v = _report_fields(draft, kk, sampling, draft_sampling, timed, cost, batch_size=batch_size,
                                   max_new_tokens=max_new_tokens, n_prompts=len(prompts), P=sides.P, lens=sides.lens,
                                   repeats=repeats)
-    data["compile_s"] = {"target_only": round(compile_base, 2), "speculative": round(compile_spec, 2)}
-    n_one = sum(n for _, n in sides.batches)
-    t_base, t_spec, n_base, n_spec = timed.t_base, timed.t_spec, timed.n_base, timed.n_spec
-    if t_base > fix_base and t_spec > fix_spec and min(n_base, n_spec) > n_one:
-        dec = ((n_spec - n_one) / (t_spec - fix_spec)) / ((n_base - n_one) / (t_base - fix_base))
+    data["compile_s"] = {"target_only": round(compile_s["base"], 2), "speculative": round(compile_s["spec"], 2)}
+    dec = _decode_only(sides, timed, fixed, "spec")
+    if dec is not None:
         data["decode_only"] = {
-            "fixed_s": {"target_only": round(fix_base, 3), "speculative": round(fix_spec, 3)},
+            "fixed_s": {"target_only": round(fixed["base"], 3), "speculative": round(fixed["spec"], 3)},
             "speedup": round(dec, 3),
             "speedup_over_predicted_with_verify_cost": round(dec / pred_v, 3)}
     if sampling.greedy:
-        data["identical_greedy_outputs"] = f"{timed.same}/{len(prompts)}"
+        data["identical_greedy_outputs"] = f"{timed.same['spec']}/{len(prompts)}"
+    if tree is not None:
+        data["tree"] = _tree_fields(sides, timed, fixed, auto, compile_s["tree"], batch_size=batch_size,
+                                    probe_len=probe_len, max_new_tokens=max_new_tokens, cost_iters=cost_iters,
+                                    greedy=sampling.greedy, n_prompts=len(prompts))
     if mesh is None:  # the single-device loops run on the CPU kernels when these are available
         from specjax import kernels
 
@@ -185,23 +202,32 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     return BenchReport(data)
 
 
+def _decode_only(sides, timed, fixed, side: str) -> float | None:
+    """Speedup of ``side`` over target-only without each side's fixed cost (module docstring)."""
+    n_one = sum(n for _, n in sides.batches)
+    tb, ts, nb, ns = timed.t["base"], timed.t[side], timed.n["base"], timed.n[side]
+    if tb > fixed["base"] and ts > fixed[side] and min(nb, ns) > n_one:
+        return ((ns - n_one) / (ts - fixed[side])) / ((nb - n_one) / (tb - fixed["base"]))
+    return None
+
+
 @dataclass
 class _Timed:
-    """The timed passes: each side's best pass (seconds), tokens, per-batch best times, stats."""
-    t_base: float
-    t_spec: float
-    n_base: int
-    n_spec: int
-    same: int
-    stats: SpecStats
-    one_base: list
-    one_spec: list
+    """The timed passes, per side ("base": target-only, "spec": the chain, "tree"): each side's
+    best pass (seconds) ``t``, tokens ``n``, per-batch best times ``one``; for the speculative
+    sides the greedy outputs equal to target-only's (``same``) and the merged stats."""
+    t: dict
+    n: dict
+    one: dict
+    same: dict
+    stats: dict
 
 
 class _Sides:
-    """Both sides of the bench over the same padded batches: target-only (``base``) and speculative
-    (``spec``) generation of batch ``j``, with the modules split once (a split costs ~13 ms of
-    host work per call on SmolLM2) and each batch's prompt bucket."""
+    """The sides of the bench over the same padded batches: target-only (``base``), speculative
+    (``spec``) and, when a tree is set (:meth:`set_tree`), the tree loop (``tree``) on batch ``j``,
+    with the modules split once (a split costs ~13 ms of host work per call on SmolLM2) and each
+    batch's prompt bucket."""
 
     def __init__(self, target, draft: SpecDraft, prompts, k: int, *, batch_size: int, prompt_bucket: int, mesh,
                  common: dict, spec_kw: dict):
@@ -230,77 +256,158 @@ class _Sides:
         self.lens = [bucket(max(len(p) for p in b), prompt_bucket) if own else P for b, _ in self.batches]
         self.common = {**common, "packed_len": packed}
         self.tsplit = nnx.split(target) if mesh is None else None
+        self.sides = ["base", "spec"]
+        self.tree = None
+        self.tree_kw: dict = {}
 
-    def base(self, j, s, **over):
-        return generate_ids(self.target, self.batches[j][0], seed=s, prompt_bucket=self.lens[j], split=self.tsplit,
-                            **{**self.common, **over})
+    def run(self, side: str, j: int, s: int, **over):
+        if side == "base":
+            return generate_ids(self.target, self.batches[j][0], seed=s, prompt_bucket=self.lens[j],
+                                split=self.tsplit, **{**self.common, **over})
+        if side == "spec":
+            return speculative_generate_ids(self.target, self.draft, self.batches[j][0], k=self.k, seed=s,
+                                            split=self.split, prompt_bucket=self.lens[j],
+                                            **{**self.spec_kw, **self.common, **over})
+        return self.run_tree(self.tree, j, s, **{**self.tree_kw, **over})
 
-    def spec(self, j, s, **over):
-        return speculative_generate_ids(self.target, self.draft, self.batches[j][0], k=self.k, seed=s,
-                                        split=self.split, prompt_bucket=self.lens[j],
-                                        **{**self.spec_kw, **self.common, **over})
+    def run_tree(self, tree, j: int, s: int, **over):
+        common = {key: v for key, v in self.common.items() if key != "mesh"}
+        return tree_generate_ids(self.target, self.draft, self.batches[j][0], tree=tree, seed=s, split=self.split,
+                                 prompt_bucket=self.lens[j], **{**common, **over})
+
+    def set_tree(self, tree, *, seed: int, draft_sampling: str, calibration: int, cost_iters: int, progress: bool):
+        """Add the tree side. ``"auto"``: decode the first ``calibration`` batches with a spine tree,
+        choose by :func:`specjax.decode.tree_auto.choose_tree`; returns that record (else None)."""
+        self.sides.append("tree")
+        if not (isinstance(tree, str) and tree.strip() == "auto"):
+            self.tree = as_tree(tree)
+            if isinstance(self.tree, TokenTree):
+                self.tree_kw = {"draft_sampling": draft_sampling}
+            return None
+        cal = tree_auto.calibration_tree(max(self.k + 2, 5), 4)
+        hits, n_cal = [], min(max(calibration, 1), len(self.batches))
+        t0 = time.perf_counter()
+        for j in _progress(range(n_cal), progress, "tree calibration"):
+            r = self.run_tree(cal, j, seed + j)
+            hits.append(r.node_hits[: self.batches[j][1]])
+        p, reached = tree_auto.rank_acceptance(cal, np.concatenate(hits))
+        cal_s = time.perf_counter() - t0
+        trees = tree_auto.candidates(p)
+        t0 = time.perf_counter()
+        step_ms, costs = tree_auto.measure_tree_costs(
+            self.target, self.draft.module, [t for t, _ in trees], batch=len(self.batches[0][0]),
+            prompt_len=bucket(int(np.mean(self.lens))), max_new_tokens=self.common["max_new_tokens"],
+            iters=cost_iters, split=self.split)
+        best, scored = tree_auto.choose_tree(p, step_ms, costs, trees)
+        self.tree = best.tree
+        return {"calibration": {"tree": {"depth": cal.max_depth, "width": p.shape[1]}, "batches": n_cal,
+                                "rounds_reaching_depth": reached.tolist(),
+                                "rank_acceptance": [[round(float(x), 4) for x in row] for row in p],
+                                "seconds": round(cal_s, 2)},
+                "target_step_ms": round(step_ms, 3), "candidates": [c.to_json() for c in scored],
+                "cost_seconds": round(time.perf_counter() - t0, 2), "picked": best.to_json(),
+                "_costs": (step_ms, best.cost)}
 
     def warm(self, seed: int):
-        """One batch of each bucket through both loops (compiles them): seconds per side and the
+        """One batch of each bucket through every side (compiles them): seconds per side and the
         batches run (their timed runs are taken off by the caller)."""
         firsts = [self.lens.index(n) for n in sorted(set(self.lens))]
-        cb = cs = 0.0
+        secs = {side: 0.0 for side in self.sides}
         for j in firsts:
-            t0 = time.perf_counter()
-            self.base(j, seed + j)
-            cb += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            self.spec(j, seed + j)
-            cs += time.perf_counter() - t0
-        return cb, cs, firsts
+            for side in self.sides:
+                t0 = time.perf_counter()
+                self.run(side, j, seed + j)
+                secs[side] += time.perf_counter() - t0
+        return secs, firsts
 
     def timed_passes(self, seed: int, repeats: int, progress: bool) -> _Timed:
-        """Per batch, target-only then speculative back to back (a load change hits both alike);
-        ``repeats`` whole passes, each side's fastest kept."""
+        """Per batch, every side back to back (a load change hits them alike); ``repeats`` whole
+        passes, each side's fastest kept."""
         from tqdm.auto import tqdm
 
         nb = len(self.batches)
-        best_base = best_spec = float("inf")
-        one_base, one_spec = [float("inf")] * nb, [float("inf")] * nb
+        best = {side: float("inf") for side in self.sides}
+        one = {side: [float("inf")] * nb for side in self.sides}
         bar = tqdm(total=sum(n for _, n in self.batches) * repeats, desc="bench", unit="prompt",
                    disable=not progress, leave=False)
         for _ in range(repeats):
-            t_base = t_spec = 0.0
-            n_base = n_spec = same = 0
-            stats: list[SpecStats] = []
+            t = {side: 0.0 for side in self.sides}
+            n = {side: 0 for side in self.sides}
+            same = {side: 0 for side in self.sides[1:]}
+            stats: dict = {side: [] for side in self.sides[1:]}
             for j, (_, n_real) in enumerate(self.batches):
-                t0 = time.perf_counter()
-                rb = self.base(j, seed + j)
-                t1 = time.perf_counter()
-                rs = self.spec(j, seed + j)
-                t2 = time.perf_counter()
-                t_base += t1 - t0
-                t_spec += t2 - t1
-                one_base[j], one_spec[j] = min(one_base[j], t1 - t0), min(one_spec[j], t2 - t1)
-                n_base += sum(len(t) for t in rb.tokens[:n_real])
-                n_spec += sum(len(t) for t in rs.tokens[:n_real])
-                same += sum(a == c for a, c in zip(rb.tokens[:n_real], rs.tokens[:n_real]))
-                stats.append(SpecStats(rs.stats.k, rs.stats.hist[:n_real], rs.stats.lossy))
+                out = {}
+                for side in self.sides:
+                    t0 = time.perf_counter()
+                    out[side] = self.run(side, j, seed + j)
+                    dt = time.perf_counter() - t0
+                    t[side] += dt
+                    one[side][j] = min(one[side][j], dt)
+                    n[side] += sum(len(x) for x in out[side].tokens[:n_real])
+                for side in self.sides[1:]:
+                    r = out[side]
+                    same[side] += sum(a == c for a, c in zip(out["base"].tokens[:n_real], r.tokens[:n_real]))
+                    stats[side].append(SpecStats(r.stats.k, r.stats.hist[:n_real], r.stats.lossy))
                 bar.update(n_real)
-            best_base, best_spec = min(best_base, t_base), min(best_spec, t_spec)
+            best = {side: min(best[side], t[side]) for side in self.sides}
         bar.close()
-        return _Timed(best_base, best_spec, n_base, n_spec, same, SpecStats.merge(stats), one_base, one_spec)
+        return _Timed(best, n, one, same, {side: SpecStats.merge(v) for side, v in stats.items()})
 
-    def fixed_costs(self, seed: int) -> tuple[float, float]:
+    def fixed_costs(self, seed: int) -> dict:
         """Each side's fixed cost (prefill, the draft's prompt ingest, one token), which the formula
         leaves out: the same batches stopped after one token by a runtime limit (the programs
         compiled above, with their caches and prefill: nothing to compile); best of two
         interleaved passes per batch (a single short call is at the mercy of a load spike)."""
         nb = len(self.batches)
-        fb, fs = [float("inf")] * nb, [float("inf")] * nb
+        f = {side: [float("inf")] * nb for side in self.sides}
         for _ in range(2):
             for j in range(nb):
-                t0 = time.perf_counter()
-                self.base(j, seed + j, limit=1)
-                t1 = time.perf_counter()
-                self.spec(j, seed + j, limit=1)
-                fb[j], fs[j] = min(fb[j], t1 - t0), min(fs[j], time.perf_counter() - t1)
-        return sum(fb), sum(fs)
+                for side in self.sides:
+                    t0 = time.perf_counter()
+                    self.run(side, j, seed + j, limit=1)
+                    f[side][j] = min(f[side][j], time.perf_counter() - t0)
+        return {side: sum(v) for side, v in f.items()}
+
+
+def _progress(it, on: bool, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(it, desc=desc, disable=not on, leave=False)
+
+
+def _tree_fields(sides: _Sides, timed: _Timed, fixed: dict, auto: dict | None, compile_s: float, *,
+                 batch_size: int, probe_len: int, max_new_tokens: int, cost_iters: int, greedy: bool,
+                 n_prompts: int) -> dict:
+    """The report's ``tree`` record: the tree, its acceptance, speed (vs target-only and the
+    chain), its measured round cost and predicted speedup, and ``auto``'s choice."""
+    st = timed.stats["tree"]
+    if auto is not None:
+        step_ms, c = auto.pop("_costs")
+    else:
+        step_ms, (c,) = tree_auto.measure_tree_costs(sides.target, sides.draft.module, [sides.tree],
+                                                     batch=batch_size, prompt_len=probe_len,
+                                                     max_new_tokens=max_new_tokens, iters=cost_iters,
+                                                     split=sides.split)
+    tps = {side: timed.n[side] / timed.t[side] for side in ("base", "spec", "tree")}
+    pred = st.tau * step_ms / (c.draft_ms + c.verify_ms)
+    out = {**tree_auto.describe_tree(sides.tree), "tau": round(st.tau, 4),
+           "per_depth_acceptance": [round(x, 4) for x in st.per_position],
+           "tokens_per_step": st.tokens_per_step(), "rounds": st.rounds,
+           "speculative": {"tokens": timed.n["tree"], "seconds": round(timed.t["tree"], 3),
+                           "tok_s": round(tps["tree"], 2)},
+           "speedup": round(tps["tree"] / tps["base"], 3), "speedup_over_chain": round(tps["tree"] / tps["spec"], 3),
+           "cost": {"target_step_ms": round(step_ms, 3), "verify_ms": round(c.verify_ms, 3),
+                    "draft_ms": round(c.draft_ms, 3), "verify_overhead": round(c.verify_ms / step_ms, 4)},
+           "predicted_speedup": round(pred, 3), "speedup_over_predicted": round(tps["tree"] / tps["base"] / pred, 3),
+           "compile_s": round(compile_s, 2)}
+    dec = _decode_only(sides, timed, fixed, "tree")
+    if dec is not None:
+        out["decode_only"] = {"fixed_s": round(fixed["tree"], 3), "speedup": round(dec, 3)}
+    if greedy:
+        out["identical_greedy_outputs"] = f"{timed.same['tree']}/{n_prompts}"
+    if auto is not None:
+        out["auto"] = auto
+    return out
 
 
 def _report_fields(draft: SpecDraft, k: int, sampling: SamplingParams, draft_sampling: str, timed: _Timed,
@@ -308,8 +415,8 @@ def _report_fields(draft: SpecDraft, k: int, sampling: SamplingParams, draft_sam
                    repeats: int) -> tuple[dict, float]:
     """The report's acceptance, throughput, cost and prediction fields, and the predicted speedup
     with the measured verify cost (unrounded)."""
-    st = timed.stats
-    tps_base, tps_spec = timed.n_base / timed.t_base, timed.n_spec / timed.t_spec
+    st = timed.stats["spec"]
+    tps_base, tps_spec = timed.n["base"] / timed.t["base"], timed.n["spec"] / timed.t["spec"]
     speedup = tps_spec / tps_base
     pred = predicted_speedup(st.tau, k, cost["c"])
     pred_v = st.tau / (k * cost["c"] + cost["verify_overhead"])
@@ -324,8 +431,8 @@ def _report_fields(draft: SpecDraft, k: int, sampling: SamplingParams, draft_sam
         "per_position_acceptance": [round(x, 4) for x in st.per_position],
         "conditional_acceptance": [None if x is None else round(x, 4) for x in st.conditional],
         "tokens_per_step": st.tokens_per_step(), "rounds": st.rounds, "lossy": st.lossy,
-        "target_only": {"tokens": timed.n_base, "seconds": round(timed.t_base, 3), "tok_s": round(tps_base, 2)},
-        "speculative": {"tokens": timed.n_spec, "seconds": round(timed.t_spec, 3), "tok_s": round(tps_spec, 2)},
+        "target_only": {"tokens": timed.n["base"], "seconds": round(timed.t["base"], 3), "tok_s": round(tps_base, 2)},
+        "speculative": {"tokens": timed.n["spec"], "seconds": round(timed.t["spec"], 3), "tok_s": round(tps_spec, 2)},
         "speedup": round(speedup, 3),
         "cost": {**{k_: (round(v, 4) if isinstance(v, float) else v) for k_, v in cost.items()}},
         "predicted_speedup": round(pred, 3),

@@ -300,6 +300,7 @@ class SpecResult(GenerationResult):
     stats: SpecStats = None
     rounds: int = 0  # loop iterations (max over the batch)
     trace: dict = field(default_factory=dict)
+    node_hits: Any = None  # tree loops: int [n, N+1], rounds in which each tree node was accepted
 
 
 # ----------------------------------------------------------------------------- host API

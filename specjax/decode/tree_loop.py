@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import placement
-from specjax.decode.batch import prepare
+from specjax.decode.batch import prepare, resolve_packed_len
 from specjax.decode.generate import DecodeState, cache_dtype_of, emit, start
 from specjax.decode.accept import draft_probs
 from specjax.decode.sampling import SamplingParams
@@ -97,6 +97,7 @@ class TreeState(NamedTuple):
     dcache: Any  # the draft's cache pytree
     tree: Drafted  # the pending tree
     hist: jax.Array  # int32 [B, D+1]: rounds in which each sequence accepted j drafted nodes
+    hits: jax.Array  # int32 [B, N+1]: rounds in which node i was on the accepted path (node 0: every live round)
 
 
 def check_tree_draft(draft) -> None:
@@ -221,23 +222,27 @@ def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree, sampling
     d = emit(d._replace(step=d.step + 1, cache=cache, key=nkey), res.tokens, res.num_accepted + 1, eos_ids, pad_id)
     ar = jnp.arange(D + 1, dtype=jnp.int32)
     hist = s.hist + jnp.where(live[:, None], (ar[None] == res.num_accepted[:, None]).astype(jnp.int32), 0)
+    on_path = (jnp.arange(t.tokens.shape[1], dtype=jnp.int32)[None, :, None] == res.path[:, None, :]).any(-1)
+    hits = s.hits + (on_path & live[:, None]).astype(jnp.int32)
     path = jnp.maximum(res.path, 0)  # [B, D+1] (padding: the root; past n_commit, not read)
     rows = jax.tree_util.tree_map(lambda a: jnp.take_along_axis(a, path[..., None], axis=1),
                                   draft.aux_from_taps(out.aux_hidden_states))
     nxt, dcache = propose_tree(draft, s.dcache, rows, res.tokens, L[:, None] + ar[None], n_commit, tree,
                                sample=sample, key=kd, vocab_size=V)
-    return TreeState(d, dcache, nxt, hist)
+    return TreeState(d, dcache, nxt, hist, hits)
 
 
 def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos_ids, *, tree,
               sampling: SamplingParams, max_new_tokens: int, max_len: int, draft_len: int, pad_id: int, cache_dtype,
-              draft_dtype, draft_sampling: str = "greedy") -> TreeState:
+              draft_dtype, draft_sampling: str = "greedy", packed_len: int | None = None,
+              prefill_chunk: int | None = None) -> TreeState:
     """The traced program: prefill, first token, the draft ingests the prompt rows and drafts the
     first tree, then ``lax.while_loop`` over :func:`tree_round`."""
     B, P = prompt_ids.shape
     taps = tuple(draft.tap_ids(target.config.num_hidden_layers))
     dec, aux = start(target, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
-                     max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps)
+                     max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps,
+                     packed_len=packed_len, prefill_chunk=prefill_chunk)
     nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.full((B, 1), pad_id, prompt_ids.dtype)], axis=1)
     nxt = nxt.at[jnp.arange(B), prompt_lens - 1].set(dec.last.astype(prompt_ids.dtype))
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
@@ -248,7 +253,8 @@ def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
         dec = dec._replace(key=dkey)
     drafted, dcache = propose_tree(draft, dcache, draft.aux_from_taps(aux), nxt, pos, prompt_lens, tree,
                                    sample=sample, key=kd, vocab_size=target.config.vocab_size)
-    st = TreeState(dec, dcache, drafted, jnp.zeros((B, tree.max_depth + 1), jnp.int32))
+    st = TreeState(dec, dcache, drafted, jnp.zeros((B, tree.max_depth + 1), jnp.int32),
+                   jnp.zeros((B, tree.num_nodes + 1), jnp.int32))
 
     def cond(s: TreeState):
         return (s.dec.step < max_new_tokens - 1) & ~jnp.all(s.dec.done)
@@ -261,19 +267,20 @@ def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
 
 
 _STATIC = ("graphdef", "tree", "sampling", "max_new_tokens", "max_len", "draft_len", "pad_id", "cache_dtype",
-           "draft_dtype", "draft_sampling", "trace", "platform")
+           "draft_dtype", "draft_sampling", "trace", "platform", "packed_len", "prefill_chunk")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _tree_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, *, tree, sampling, max_new_tokens,
               max_len, draft_len, pad_id, cache_dtype, draft_dtype, draft_sampling="greedy", trace=False,
-              platform=None):  # noqa: ARG001
+              platform=None, packed_len=None, prefill_chunk=None):  # noqa: ARG001
     pair = nnx.merge(graphdef, state)
     st = tree_core(pair.target, pair.draft, prompt_ids, prompt_lens, limits, key, eos_ids, tree=tree,
                    sampling=sampling, max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len,
-                   pad_id=pad_id, cache_dtype=cache_dtype, draft_dtype=draft_dtype, draft_sampling=draft_sampling)
+                   pad_id=pad_id, cache_dtype=cache_dtype, draft_dtype=draft_dtype, draft_sampling=draft_sampling,
+                   packed_len=packed_len, prefill_chunk=prefill_chunk)
     out = {"tokens": st.dec.tokens, "num_tokens": st.dec.num_tokens, "eos_hit": st.dec.eos_hit, "hist": st.hist,
-           "rounds": st.dec.step}
+           "hits": st.hits, "rounds": st.dec.step}
     if trace:
         out["target_cache"] = st.dec.cache
     return out
@@ -282,7 +289,9 @@ def _tree_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, *,
 def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]], *, tree, max_new_tokens: int = 64,
                       sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
                       pad_id: int | None = None, context_length: int | None = None,
-                      prompt_bucket: int = 32, draft_sampling: str = "greedy", trace: bool = False) -> SpecResult:
+                      prompt_bucket: int = 32, draft_sampling: str = "greedy", trace: bool = False, split=None,
+                      packed_len: int | str | None = "auto", prefill_chunk: int | None = None,
+                      limit: int | None = None) -> SpecResult:
     """Tree speculative generation over token-id prompts; output as
     :func:`specjax.decode.speculative.speculative_generate_ids` (``stats`` per tree depth: the
     histogram of accepted drafted nodes per round). ``tree``: a :class:`TokenTree` or vLLM's
@@ -290,25 +299,30 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
     ``draft_sampling``: "greedy" (each node's children are the draft's top-c tokens: point masses)
     or "sample" (static trees at temperature > 0: i.i.d. draws from the draft's processed
     distribution, SpecInfer's multi-candidate rule with the parent's q). ``trace``: also return the
-    final target KV cache (``res.trace["target_cache"]``, tests)."""
+    final target KV cache (``res.trace["target_cache"]``, tests). ``res.node_hits`` int [n, N+1]:
+    per sequence, the rounds in which each node was on the accepted path (node 0, the root: every
+    round; for a static tree node i is ``tree.paths[i - 1]``, for a dynamic tree the i-th kept
+    node of each round's own tree). ``split``, ``packed_len``, ``prefill_chunk``, ``limit``: as in
+    :func:`specjax.decode.speculative.speculative_generate_ids`."""
     tree = as_tree(tree)
     if _proposal_sampling(sampling, draft_sampling) is not None and isinstance(tree, DynamicTreeSpec):
         raise ValueError("a dynamic tree takes the draft's top-k children (draft_sampling='greedy'), not samples")
     sd = as_spec_draft(draft)
     check_tree_draft(sd.module)
     b = prepare(target.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
-                context_length=context_length, prompt_bucket=prompt_bucket)
+                context_length=context_length, prompt_bucket=prompt_bucket, limit=limit)
     P, N = b.padded_len, tree.num_nodes
     max_len = P + max_new_tokens + N + 1  # a verify writes N+1 rows past the committed ones
     draft_len = P + max_new_tokens + 2 * (tree.max_depth + 1)
-    graphdef, state = split_pair(target, sd.module)
+    graphdef, state = split if split is not None else split_pair(target, sd.module)
     state = panels.decode_state(Pair(target, sd.module), state)
     out = _tree_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
                     jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), tree=tree, sampling=sampling,
                     max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len), pad_id=b.pad,
                     cache_dtype=cache_dtype_of(target), draft_dtype=draft_dtype_of(sd.module),
-                    draft_sampling=draft_sampling, trace=bool(trace),
-                    platform=placement.platform_of(state))
+                    draft_sampling=draft_sampling, trace=bool(trace), platform=placement.platform_of(state),
+                    packed_len=resolve_packed_len(packed_len, b),
+                    prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
     out = jax.device_get(out)
     n = len(prompts)
     toks, num = out["tokens"], out["num_tokens"]
@@ -316,6 +330,7 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
                      stop_reasons=["eos" if e else "length" for e in out["eos_hit"][:n]],
                      prompt_lengths=b.lens.tolist(), stats=SpecStats(tree.max_depth, np.asarray(out["hist"])[:n], False),
                      rounds=int(out["rounds"]))
+    res.node_hits = np.asarray(out["hits"])[:n]
     if trace:
         res.trace = {"target_cache": out["target_cache"]}
     return res

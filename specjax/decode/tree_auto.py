@@ -1,0 +1,254 @@
+"""Choosing a token tree from measurements (``specjax bench --tree auto``).
+
+1. **Calibrate** (:func:`calibration_tree`, :func:`rank_acceptance`): decode some prompts with a
+   *spine* tree -- a chain of rank-0 nodes of depth ``D`` whose every spine node also has its
+   draft's rank ``1..W-1`` candidates as children. The tree loop counts the rounds in which each
+   node was accepted (``SpecResult.node_hits``). The spine node at depth ``d - 1`` is reached in
+   ``R_d`` rounds; its rank-``r`` child was accepted in ``H_dr`` of them, so
+   ``p[d, r] = H_dr / R_d``: the probability that the draft's rank-``r`` token is the one the target
+   takes at depth ``d``, given the path so far was accepted (greedy: at most one sibling matches;
+   sampled: the multi-candidate rule tries siblings in rank order, so ``p`` is that rule's).
+2. **Predict** (:func:`best_tree`): assuming ``p`` depends on depth and rank only (Sequoia's
+   position-acceptance model), the path to a node with ranks ``r_1..r_d`` is accepted with
+   probability ``prod_i p[i, r_i]``, and a tree's expected tokens per round is
+   ``1 + sum over nodes of that product``. The best tree of ``n`` nodes takes the ``n`` nodes of
+   largest path probability, grown best first from the root (children after their parent,
+   siblings in rank order, so every prefix is a valid ``speculative_token_tree``).
+3. **Cost** (:func:`measure_tree_costs`): for each candidate, the target's tree verify over
+   ``n + 1`` rows and the draft's tree proposal, timed on the device at the loop's shapes as
+   :func:`specjax.decode.costs.measure_costs` times the chain's round.
+4. **Pick** (:func:`choose_tree`): the candidate maximising the predicted speedup over target-only
+   decoding, ``tau_tree * t_step / (t_draft(tree) + t_verify(n + 1))``.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.decode.costs import _best_interleaved, _probe_step, _target_split
+from specjax.decode.speculative import Pair, split_pair
+from specjax.decode.tree import TokenTree
+from specjax.decode.tree_loop import DynamicTreeSpec, propose_tree
+from specjax.models import panels
+from specjax.models.layers import first_argmax
+from specjax.models.target import KVCache
+
+# node counts tried by ``--tree auto`` (those the calibrated table can fill)
+CANDIDATE_NODES = (2, 3, 4, 6, 8, 12, 16)
+
+
+def calibration_tree(depth: int, width: int) -> TokenTree:
+    """The spine tree: rank-0 chain of ``depth`` nodes, each spine node (and the root) with
+    children of ranks ``0..width-1``; ``depth * width`` nodes."""
+    if depth < 1 or width < 1:
+        raise ValueError(f"a calibration tree needs depth >= 1 and width >= 1, got {depth}, {width}")
+    return TokenTree.from_paths([(0,) * (d - 1) + (r,) for d in range(1, depth + 1) for r in range(width)])
+
+
+def rank_acceptance(tree: TokenTree, node_hits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``p`` f64 [D, W] (``p[d - 1, r]``: module docstring) and the rounds ``reached`` int [D]
+    behind each row, from a spine tree's per-node accept counts (int [n, N+1] or [N+1])."""
+    hits = np.asarray(node_hits).reshape(-1, tree.num_nodes + 1).sum(0)
+    index = {p: i + 1 for i, p in enumerate(tree.paths)}
+    D = tree.max_depth
+    W = max(p[-1] for p in tree.paths) + 1
+    p = np.zeros((D, W))
+    reached = np.zeros((D,), np.int64)
+    for d in range(1, D + 1):
+        spine = index.get((0,) * (d - 1), 0) if d > 1 else 0
+        if d > 1 and (0,) * (d - 1) not in index:
+            raise ValueError(f"tree {tree.paths} is not a spine tree (no node {(0,) * (d - 1)})")
+        reached[d - 1] = hits[spine]
+        for r in range(W):
+            node = index.get((0,) * (d - 1) + (r,))
+            if node is None:
+                raise ValueError(f"tree {tree.paths} is not a spine tree (no node {(0,) * (d - 1) + (r,)})")
+            p[d - 1, r] = hits[node] / reached[d - 1] if reached[d - 1] else 0.0
+    return p, reached
+
+
+def best_tree(p: np.ndarray, num_nodes: int) -> tuple[TokenTree, float]:
+    """The ``num_nodes`` nodes of largest path acceptance probability under ``p`` [D, W] (module
+    docstring), grown best first; returns (the tree, its expected tokens per round, tau)."""
+    p = np.asarray(p, np.float64)
+    D, W = p.shape
+    if num_nodes < 1:
+        raise ValueError(f"a tree needs num_nodes >= 1, got {num_nodes}")
+    heap = [(-p[0, 0], (0,))]  # candidates: a parent's first child, or the next sibling of a taken node
+    taken: list[tuple[tuple[int, ...], float]] = []
+    value = {(): 1.0}
+    while heap and len(taken) < num_nodes:
+        neg, path = heapq.heappop(heap)
+        v = -neg
+        value[path] = v
+        taken.append((path, v))
+        d, r = len(path), path[-1]
+        if r + 1 < W:  # next sibling
+            sib = path[:-1] + (r + 1,)
+            heapq.heappush(heap, (-value[path[:-1]] * p[d - 1, r + 1], sib))
+        if d < D:  # first child
+            heapq.heappush(heap, (-v * p[d, 0], path + (0,)))
+    if len(taken) < num_nodes:
+        raise ValueError(f"a {D}x{W} acceptance table holds fewer than {num_nodes} nodes")
+    return TokenTree.from_paths([t for t, _ in taken]), 1.0 + float(sum(v for _, v in taken))
+
+
+def expected_tau(tree: TokenTree, p: np.ndarray) -> float:
+    """A static tree's expected tokens per round under ``p`` [D, W] (module docstring): 1 + the
+    sum over its nodes of their path acceptance probability (0 past the table)."""
+    p = np.asarray(p, np.float64)
+    D, W = p.shape
+    total = 1.0
+    for path in tree.paths:
+        v = 1.0
+        for d, r in enumerate(path):
+            v *= p[d, r] if d < D and r < W else 0.0
+        total += v
+    return total
+
+
+@dataclass
+class TreeCost:
+    verify_ms: float  # the target's tree verify over N + 1 rows
+    draft_ms: float  # the draft's tree proposal (ingest the accepted rows, draft every node)
+
+
+def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len: int, max_new_tokens: int,
+                       iters: int = 5, split=None) -> tuple[float, list[TreeCost]]:
+    """One target decode step (ms) and, per tree (:class:`TokenTree` or :class:`DynamicTreeSpec`),
+    the verify and draft costs of one round, on one device at the tree loop's shapes (caches half
+    full), timed as :func:`specjax.decode.costs.measure_costs` times the chain: ``R`` and ``2R``
+    rounds in one call, the difference per ``R``, best of ``iters`` interleaved. A dynamic tree's
+    verify is timed with a chain mask of its size (same rows, same cost)."""
+    graphdef, state = split if split is not None else split_pair(target, draft)
+    state = panels.decode_state(Pair(target, draft), state)
+    cfg = target.config
+    dtype = target.model.embed_tokens.embedding[...].dtype
+    fill_host = np.full((batch,), prompt_len + max_new_tokens // 2, np.int32)
+    fill = jnp.asarray(fill_host)
+    maxn = max(t.num_nodes for t in trees)
+    S = prompt_len + max_new_tokens + maxn + 1
+    tgraph, tstate = _target_split(graphdef, state)
+    taps = tuple(draft.tap_ids(cfg.num_hidden_layers))
+
+    def verify_call(tree):
+        n1 = tree.num_nodes + 1
+        if isinstance(tree, TokenTree):
+            mask = jnp.asarray(np.broadcast_to(tree.mask, (batch, n1, n1)))
+        else:
+            mask = jnp.broadcast_to(jnp.tril(jnp.ones((n1, n1), bool)), (batch, n1, n1))
+        box = [KVCache.init(cfg, batch, S, dtype, lengths=jnp.array(fill_host))]  # donated: its own lengths
+        ids = jnp.ones((batch, n1), jnp.int32)
+
+        def call(reps):
+            out, box[0] = _probe_tree_verify(tgraph, tstate, ids, mask, box[0], reps)
+            return out
+        return call
+
+    def draft_call(tree):
+        D = tree.max_depth
+        aux = tuple(jnp.ones((batch, D + 1, cfg.hidden_size), dtype) for _ in taps)
+        ids = jnp.ones((batch, D + 1), jnp.int32)
+        pos = jnp.asarray(fill_host[:, None] + np.arange(D + 1, dtype=np.int32)[None])
+        nv = jnp.full((batch,), D + 1, jnp.int32)
+        slots = prompt_len + max_new_tokens + 2 * (D + 1)
+        fn = functools.partial(_probe_tree_draft, graphdef, tree, batch, slots, dtype)
+        return lambda reps: fn(state, aux, ids, pos, nv, fill, reps)
+
+    step_box = [KVCache.init(cfg, batch, S, dtype, lengths=jnp.array(fill_host))]  # donated: its own lengths
+    ids1 = jnp.ones((batch, 1), jnp.int32)
+
+    def step(reps):
+        out, step_box[0] = _probe_step(tgraph, tstate, ids1, step_box[0], reps)
+        return out
+
+    R = 3
+    calls = [(step, (R,)), (step, (2 * R,))]
+    for t in trees:
+        v, dr = verify_call(t), draft_call(t)
+        calls += [(v, (R,)), (v, (2 * R,)), (dr, (R,)), (dr, (2 * R,))]
+    timed = _best_interleaved(calls, iters)
+
+    def per_round(i):  # as measure_costs: a difference lost in noise falls back to the 2R call's mean
+        return (timed[i + 1] - timed[i]) / R if timed[i + 1] > timed[i] else timed[i + 1] / (2 * R)
+
+    costs = [TreeCost(1e3 * per_round(2 + 4 * j), 1e3 * per_round(4 + 4 * j)) for j in range(len(trees))]
+    return 1e3 * per_round(0), costs
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
+def _probe_tree_verify(graphdef, state, ids, mask, cache, reps):
+    """``reps`` tree verifies ([B, N+1] tokens, the tree mask, every logit), each fed the last's argmax."""
+    t = nnx.merge(graphdef, state)
+
+    def body(_, c):
+        ids, cache = c
+        out = t(ids, cache=cache, tree_mask=mask)
+        return first_argmax(out.logits), out.cache.rollback(cache.lengths)
+    return jax.lax.fori_loop(0, reps, body, (ids, cache))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _probe_tree_draft(graphdef, tree, batch, slots, dtype, state, aux, ids, pos, nv, fill, reps):
+    """``reps`` tree proposals after D+1 accepted rows, each fed a token of the last tree."""
+    d = nnx.merge(graphdef, state).draft
+    dcache = d.init_cache(batch, slots, dtype, lengths=fill)
+    rows = d.aux_from_taps(aux)
+
+    def body(_, ids):
+        drafted, _ = propose_tree(d, dcache, rows, ids, pos, nv, tree)
+        return ids.at[:, 0].set(drafted.tokens[:, 1].astype(ids.dtype))
+    return jax.lax.fori_loop(0, reps, body, ids)
+
+
+@dataclass
+class Candidate:
+    tree: TokenTree
+    predicted_tau: float
+    cost: TreeCost
+    predicted_speedup: float
+
+    def to_json(self) -> dict:
+        return {"nodes": self.tree.num_nodes, "depth": self.tree.max_depth, "paths": [list(p) for p in self.tree.paths],
+                "predicted_tau": round(self.predicted_tau, 4), "verify_ms": round(self.cost.verify_ms, 3),
+                "draft_ms": round(self.cost.draft_ms, 3), "predicted_speedup": round(self.predicted_speedup, 3)}
+
+
+def candidates(p: np.ndarray, sizes: Sequence[int] = CANDIDATE_NODES) -> list[tuple[TokenTree, float]]:
+    """The best tree (and its predicted tau) of each node count in ``sizes`` the table can fill;
+    trees that come out equal are listed once."""
+    D, W = p.shape
+    out, seen = [], set()
+    for n in sizes:
+        if n > D * W:
+            continue
+        t, tau = best_tree(p, n)
+        if t.paths not in seen:
+            seen.add(t.paths)
+            out.append((t, tau))
+    return out
+
+
+def choose_tree(p: np.ndarray, step_ms: float, costs: Sequence[TreeCost],
+                trees: Sequence[tuple[TokenTree, float]]) -> tuple[Candidate, list[Candidate]]:
+    """Score each (tree, predicted tau) with its measured cost; returns (the best, all)."""
+    scored = [Candidate(t, tau, c, tau * step_ms / (c.draft_ms + c.verify_ms)) for (t, tau), c in zip(trees, costs)]
+    if not scored:
+        raise ValueError(f"no candidate tree fits a {p.shape[0]}x{p.shape[1]} acceptance table")
+    return max(scored, key=lambda c: c.predicted_speedup), scored
+
+
+def describe_tree(tree) -> dict:
+    """JSON description of a static or dynamic tree."""
+    if isinstance(tree, DynamicTreeSpec):
+        return {"kind": "dynamic", "topk": tree.topk, "depth": tree.depth, "nodes": tree.num_nodes}
+    return {"kind": "static", "nodes": tree.num_nodes, "depth": tree.max_depth,
+            "paths": [list(p) for p in tree.paths]}
