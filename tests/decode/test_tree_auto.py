@@ -88,8 +88,9 @@ def _bench(ckpts, *extra):
     return r.exit_code, r.output
 
 
-def test_bench_tree_auto(ckpts):
-    code, out = _bench(ckpts, "--tree", "auto", "--tree-calibration", "2")
+def test_bench_tree_auto(ckpts, tmp_path):
+    png = tmp_path / "tree.png"
+    code, out = _bench(ckpts, "--tree", "auto", "--tree-calibration", "2", "--plot", str(png))
     assert code == 0, out
     d = json.loads(out.strip().splitlines()[-1])
     t = d["tree"]
@@ -102,6 +103,7 @@ def test_bench_tree_auto(ckpts):
     assert [tuple(x) for x in t["paths"]] == [tuple(x) for x in a["picked"]["paths"]] and t["kind"] == "static"
     assert 1.0 <= t["tau"] <= t["depth"] + 1 and t["cost"]["verify_ms"] > 0 and t["cost"]["draft_ms"] > 0
     assert sum(t["tokens_per_step"].values()) == t["rounds"] > 0 and t["speedup"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_explicit_trees_and_bad_options(ckpts):
