@@ -207,3 +207,15 @@ def test_cpu_kernels_follow_the_program():
     assert "specjax_" not in lowered.as_text()
     assert "specjax_" not in lowered.compile().as_text()
     np.testing.assert_equal(placement.platform_of(abstract), "tpu")
+
+
+def test_verify_cost_is_flat_in_the_tree_size_on_v5e(cfg):
+    """The tree loop's verify ('verify', k + 1 rows) on v5e-8: memory-bound, its bytes (the weights
+    and the cache) barely move from 4 to 32 rows while its flops grow with the rows."""
+    a, b = (plan(cfg, "v5e:2x4", programs="verify", target_overrides=LAYERS, k=k, prompt_len=64, new_tokens=64)[0]
+            for k in (3, 31))
+    assert a.compiled and b.compiled, (a.error, b.error)
+    assert (a.shape["rows"], b.shape["rows"]) == (4, 32) and (a.tokens, b.tokens) == (4, 32)
+    assert a.bound == b.bound == "memory" and a.fits
+    assert b.flops == pytest.approx(8 * a.flops, rel=0.05)
+    assert b.bytes < 1.5 * a.bytes and b.roofline_ms < 1.5 * a.roofline_ms

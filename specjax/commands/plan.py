@@ -21,13 +21,14 @@ def plan_cmd(
     mesh: str = typer.Option("data=1,tensor=-1", "--mesh",
                              help="mesh preset, YAML file or inline sizes over the slice's chips"),
     programs: str = typer.Option("train,extract,generate,speculate", "--programs",
-                                 help="comma-separated: train, extract, generate, speculate"),
+                                 help="comma-separated: train, extract, generate, speculate, verify (k + 1 rows)"),
     batch: Optional[int] = typer.Option(None, "--batch", min=1,
                                         help="rows (train/extract; default data x fsdp) or sequences (decode; default 1)"),
     seq: Optional[int] = typer.Option(None, "--seq", min=8, help="train/extract row length (default data.total_seq_len)"),
     prompt_len: int = typer.Option(2048, "--prompt-len", min=1, help="decode: prompt tokens"),
     new_tokens: int = typer.Option(2048, "--new-tokens", min=1, help="decode: max new tokens"),
-    k: Optional[int] = typer.Option(None, "--k", min=1, help="speculate: draft tokens per round (default loss.ttt_steps)"),
+    k: Optional[int] = typer.Option(None, "--k", min=1, help="speculate: draft tokens per round; verify: drafted tokens or tree nodes, k + 1 rows "
+                                   "(default loss.ttt_steps)"),
     target: Optional[str] = typer.Option(None, "--target",
                                          help="target config: a config.json, an HF dir, a cached hub id or a preset "
                                               "hub id (default: the recipe's target)"),

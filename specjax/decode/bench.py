@@ -306,6 +306,7 @@ class _Sides:
                                 "seconds": round(cal_s, 2)},
                 "target_step_ms": round(step_ms, 3), "candidates": [c.to_json() for c in scored],
                 "cost_seconds": round(time.perf_counter() - t0, 2), "picked": best.to_json(),
+                "pick_rule": "the smallest tree predicted within 2% of the best predicted speedup",
                 "_costs": (step_ms, best.cost)}
 
     def warm(self, seed: int):

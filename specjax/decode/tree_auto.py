@@ -237,13 +237,38 @@ def candidates(p: np.ndarray, sizes: Sequence[int] = CANDIDATE_NODES) -> list[tu
     return out
 
 
-def choose_tree(p: np.ndarray, step_ms: float, costs: Sequence[TreeCost],
-                trees: Sequence[tuple[TokenTree, float]]) -> tuple[Candidate, list[Candidate]]:
-    """Score each (tree, predicted tau) with its measured cost; returns (the best, all)."""
-    scored = [Candidate(t, tau, c, tau * step_ms / (c.draft_ms + c.verify_ms)) for (t, tau), c in zip(trees, costs)]
-    if not scored:
+def monotone(xs: Sequence[float], ys: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ``ys`` ordered by ``xs`` (pool adjacent violators),
+    in the input order: a verify over more rows never costs less, so a timing that says otherwise
+    is noise, pooled with its neighbours."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    blocks: list[list[float]] = []  # [mean, weight]
+    for i in order:
+        blocks.append([float(ys[i]), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    fitted = [m for m, w in blocks for _ in range(int(w))]
+    out = [0.0] * len(xs)
+    for i, v in zip(order, fitted):
+        out[i] = v
+    return out
+
+
+def choose_tree(p: np.ndarray, step_ms: float, costs: Sequence[TreeCost], trees: Sequence[tuple[TokenTree, float]],
+                *, margin: float = 0.02) -> tuple[Candidate, list[Candidate]]:
+    """Score each (tree, predicted tau) with its cost (verify times made non-decreasing in the node
+    count, :func:`monotone`); returns (the pick, all). The pick is the smallest tree predicted
+    within ``margin`` (relative) of the best: closer than that is timing noise, and a smaller tree
+    costs less where the model is off (the loop's own per-round work grows with the tree)."""
+    if not trees:
         raise ValueError(f"no candidate tree fits a {p.shape[0]}x{p.shape[1]} acceptance table")
-    return max(scored, key=lambda c: c.predicted_speedup), scored
+    verify = monotone([t.num_nodes for t, _ in trees], [c.verify_ms for c in costs])
+    costs = [TreeCost(v, c.draft_ms) for v, c in zip(verify, costs)]
+    scored = [Candidate(t, tau, c, tau * step_ms / (c.draft_ms + c.verify_ms)) for (t, tau), c in zip(trees, costs)]
+    top = max(c.predicted_speedup for c in scored)
+    pick = min((c for c in scored if c.predicted_speedup >= (1 - margin) * top), key=lambda c: c.tree.num_nodes)
+    return pick, scored
 
 
 def describe_tree(tree) -> dict:

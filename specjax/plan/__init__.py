@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specjax.plan.programs import BUILDERS, PROGRAMS, PlanError, PlanInputs, Program  # noqa: F401
+from specjax.plan.programs import BUILDERS, DEFAULT_PROGRAMS, PROGRAMS, PlanError, PlanInputs, Program  # noqa: F401
 from specjax.plan.report import ProgramReport, analyse, count_ops  # noqa: F401
 from specjax.plan.topology import CHIPS, Chip, TopologyError, chip_of, topology_devices, tpu_mesh  # noqa: F401
 
@@ -20,7 +20,7 @@ DEFAULT_MESH = "data=1,tensor=-1"  # an 8B target needs tensor parallel on a 16 
 
 
 def parse_programs(text: str | Sequence[str] | None) -> list[str]:
-    names = list(PROGRAMS) if text is None else (
+    names = list(DEFAULT_PROGRAMS) if text is None else (
         [s.strip() for s in text.split(",") if s.strip()] if isinstance(text, str) else list(text))
     bad = [n for n in names if n not in PROGRAMS]
     if bad or not names:

@@ -24,7 +24,8 @@ from specjax import placement
 from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
 
-PROGRAMS = ("train", "extract", "generate", "speculate")
+PROGRAMS = ("train", "extract", "generate", "speculate", "verify")
+DEFAULT_PROGRAMS = PROGRAMS[:4]  # verify: on request (a sweep over tree sizes)
 
 
 class PlanError(ValueError):
@@ -300,5 +301,39 @@ def speculate_program(p: PlanInputs) -> Program:
                    notes=[f"tokens per round at full acceptance: batch x (k + 1) = {B * (k + 1)}"])
 
 
+def verify_program(p: PlanInputs) -> Program:
+    """One target verify forward of ``k + 1`` rows (a chain of k drafted tokens or a token tree of
+    k nodes: the tree loop's verify, with an ancestor mask) over the decode cache, sharded as the
+    loops shard it: what a round's verify costs as a function of the tree's size."""
+    from specjax.models.layers import first_argmax
+    from specjax.models.target import KVCache
+
+    mesh = p.mesh
+    target = abstract_target(p)
+    graphdef, params = nnx.split(target)
+    b, max_len = _decode_batch(p)
+    k = int(p.k or p.cfg.loss.ttt_steps)
+    T = k + 1
+    Bp = shd.pad_batch(int(b.ids.shape[0]), mesh)
+    cdt = jnp.dtype(p.target_dtype)
+    cache = jax.eval_shape(lambda: KVCache.init(p.target, Bp, kt.cache_slots(max_len, mesh), cdt))
+    cache_sh = shd.kv_cache_sharding(mesh, cache)
+    cache = shd.abstract_with_shardings(cache, cache_sh)
+    bs = lambda nd: shd.batch_sharding(mesh, nd) if Bp % shd.batch_divisor(mesh) == 0 else shd.replicated(mesh)  # noqa: E731
+    ids = jax.ShapeDtypeStruct((Bp, T), jnp.int32, sharding=bs(2))
+    mask = jax.ShapeDtypeStruct((Bp, T, T), bool, sharding=bs(3))
+
+    def verify(params, ids, mask, cache):
+        with placement.building_for(mesh):
+            out = nnx.merge(graphdef, params)(ids, cache=cache, tree_mask=mask)
+            return first_argmax(out.logits), out.cache
+
+    fn = jax.jit(verify, in_shardings=(shd.shardings_of(params), bs(2), bs(3), cache_sh),
+                 out_shardings=(bs(2), cache_sh), donate_argnums=(3,))
+    return Program("verify", {"batch": Bp, "rows": T, "cache_slots": int(max_len)},
+                   lambda: fn.lower(params, ids, mask, cache), tokens=Bp * T,
+                   notes=[f"one verify of {T} rows per sequence (k = {k} drafted tokens or tree nodes)"])
+
+
 BUILDERS = {"train": train_program, "extract": extract_program, "generate": generate_program,
-            "speculate": speculate_program}
+            "speculate": speculate_program, "verify": verify_program}
