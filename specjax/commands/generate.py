@@ -67,8 +67,8 @@ def generate_cmd(
     try:
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
         tree_spec = tree_option(tree, topk=tree_topk, depth=tree_depth, num_nodes=tree_nodes)
-        if tree_spec is not None and (draft is None or dev_mesh.size > 1):
-            raise ValueError("a token tree (--tree / --tree-topk ...) needs --draft and runs on one device (no --mesh)")
+        if tree_spec is not None and draft is None:
+            raise ValueError("a token tree (--tree / --tree-topk ...) needs --draft")
         t0 = time.perf_counter()
         dt = None if dtype == "auto" else dtype
         lt = Placement.of(dev_mesh).load_target(target, dtype=dt, cache_dir=cache_dir, progress=not as_json)
@@ -95,7 +95,7 @@ def _decode(prompt: List[str], lt, draft: Optional[str], tree_spec, dev_mesh, *,
     if tree_spec is not None:
         return tree_generate(prompt, tree=tree_spec, target=lt, draft=draft, chat=chat, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
-                             draft_sampling=draft_sampling)
+                             draft_sampling=draft_sampling, mesh=dev_mesh)
     if draft is None:
         return generate(prompt, target=lt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_p=top_p, top_k=top_k, seed=seed, mesh=dev_mesh), None

@@ -23,7 +23,7 @@ kept; each sequence has its own tree (masks, depths and children are [B, ...] ar
 expanded nodes are one teacher-forced chain proposal over the batch repeated per node
 (:func:`forced_logits`): one draft call per depth, each re-reading the committed rows and
 re-running the chain's earlier steps. A tree-attention draft forward over the drafted nodes (no
-repeats) is the cheaper form; not yet. Single device; no sharded tree loop yet.
+repeats) is the cheaper form; not yet. On a mesh the loop runs sharded (:func:`sharded_tree_fn`).
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ from flax import nnx
 
 from specjax import placement
 from specjax.decode.batch import prepare, resolve_packed_len
-from specjax.decode.generate import DecodeState, cache_dtype_of, emit, start
+from specjax.decode.generate import DecodeState, cache_dtype_of, emit, pin_cache, start
 from specjax.decode.accept import draft_probs
 from specjax.decode.sampling import SamplingParams
-from specjax.decode.speculative import GREEDY, Pair, SpecResult, as_spec_draft, draft_dtype_of, split_pair
+from specjax.decode.speculative import (
+    GREEDY, Pair, SpecResult, _mesh_for, as_spec_draft, draft_dtype_of, place_pair, split_pair,
+)
 from specjax.decode.spec_stats import SpecStats
 from specjax.decode.tree import TokenTree, accept_tree, compact_cache, dynamic_tree, parse_tree
 from specjax.kernels import tpu as kt
@@ -200,7 +202,7 @@ def _proposal_sampling(sampling: SamplingParams, draft_sampling: str) -> Samplin
 
 
 def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree, sampling: SamplingParams,
-               pad_id: int, draft_sampling: str = "greedy") -> TreeState:
+               pad_id: int, draft_sampling: str = "greedy", mesh=None) -> TreeState:
     """One round: verify, accept, commit, hand-off (module docstring)."""
     D = tree.max_depth
     V = target.config.vocab_size
@@ -218,7 +220,7 @@ def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree, sampling
     res = accept_tree(ka, out.logits, nodes, t.children, D, None if sample is None else t.q, sampling)
     live = ~d.done
     n_commit = jnp.where(live, res.num_accepted + 1, 0).astype(jnp.int32)
-    cache = compact_cache(out.cache, L, res.path, res.num_accepted).rollback(L + n_commit)
+    cache = pin_cache(compact_cache(out.cache, L, res.path, res.num_accepted).rollback(L + n_commit), mesh)
     d = emit(d._replace(step=d.step + 1, cache=cache, key=nkey), res.tokens, res.num_accepted + 1, eos_ids, pad_id)
     ar = jnp.arange(D + 1, dtype=jnp.int32)
     hist = s.hist + jnp.where(live[:, None], (ar[None] == res.num_accepted[:, None]).astype(jnp.int32), 0)
@@ -229,31 +231,31 @@ def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree, sampling
                                   draft.aux_from_taps(out.aux_hidden_states))
     nxt, dcache = propose_tree(draft, s.dcache, rows, res.tokens, L[:, None] + ar[None], n_commit, tree,
                                sample=sample, key=kd, vocab_size=V)
-    return TreeState(d, dcache, nxt, hist, hits)
+    return TreeState(d, pin_cache(dcache, mesh), nxt, hist, hits)
 
 
 def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos_ids, *, tree,
               sampling: SamplingParams, max_new_tokens: int, max_len: int, draft_len: int, pad_id: int, cache_dtype,
               draft_dtype, draft_sampling: str = "greedy", packed_len: int | None = None,
-              prefill_chunk: int | None = None) -> TreeState:
+              prefill_chunk: int | None = None, mesh=None) -> TreeState:
     """The traced program: prefill, first token, the draft ingests the prompt rows and drafts the
     first tree, then ``lax.while_loop`` over :func:`tree_round`."""
     B, P = prompt_ids.shape
     taps = tuple(draft.tap_ids(target.config.num_hidden_layers))
     dec, aux = start(target, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
                      max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps,
-                     packed_len=packed_len, prefill_chunk=prefill_chunk)
+                     packed_len=packed_len, prefill_chunk=prefill_chunk, mesh=mesh)
     nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.full((B, 1), pad_id, prompt_ids.dtype)], axis=1)
     nxt = nxt.at[jnp.arange(B), prompt_lens - 1].set(dec.last.astype(prompt_ids.dtype))
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    dcache = draft.init_cache(B, kt.cache_slots(draft_len), draft_dtype)
+    dcache = pin_cache(draft.init_cache(B, kt.cache_slots(draft_len), draft_dtype), mesh)
     sample, kd = _proposal_sampling(sampling, draft_sampling), None
     if sample is not None:
         kd, dkey = jax.random.split(dec.key)
         dec = dec._replace(key=dkey)
     drafted, dcache = propose_tree(draft, dcache, draft.aux_from_taps(aux), nxt, pos, prompt_lens, tree,
                                    sample=sample, key=kd, vocab_size=target.config.vocab_size)
-    st = TreeState(dec, dcache, drafted, jnp.zeros((B, tree.max_depth + 1), jnp.int32),
+    st = TreeState(dec, pin_cache(dcache, mesh), drafted, jnp.zeros((B, tree.max_depth + 1), jnp.int32),
                    jnp.zeros((B, tree.num_nodes + 1), jnp.int32))
 
     def cond(s: TreeState):
@@ -261,24 +263,24 @@ def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
 
     def body(s: TreeState):
         return tree_round(target, draft, s, eos_ids, tree=tree, sampling=sampling, pad_id=pad_id,
-                          draft_sampling=draft_sampling)
+                          draft_sampling=draft_sampling, mesh=mesh)
 
     return jax.lax.while_loop(cond, body, st)
 
 
 _STATIC = ("graphdef", "tree", "sampling", "max_new_tokens", "max_len", "draft_len", "pad_id", "cache_dtype",
-           "draft_dtype", "draft_sampling", "trace", "platform", "packed_len", "prefill_chunk")
+           "draft_dtype", "draft_sampling", "trace")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _tree_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, *, tree, sampling, max_new_tokens,
-              max_len, draft_len, pad_id, cache_dtype, draft_dtype, draft_sampling="greedy", trace=False,
-              platform=None, packed_len=None, prefill_chunk=None):  # noqa: ARG001
-    pair = nnx.merge(graphdef, state)
-    st = tree_core(pair.target, pair.draft, prompt_ids, prompt_lens, limits, key, eos_ids, tree=tree,
-                   sampling=sampling, max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len,
-                   pad_id=pad_id, cache_dtype=cache_dtype, draft_dtype=draft_dtype, draft_sampling=draft_sampling,
-                   packed_len=packed_len, prefill_chunk=prefill_chunk)
+def _tree_outputs(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, *, tree, sampling, max_new_tokens,
+                  max_len, draft_len, pad_id, cache_dtype, draft_dtype, draft_sampling="greedy", trace=False,
+                  platform=None, packed_len=None, prefill_chunk=None, mesh=None):
+    with placement.building_for(mesh if mesh is not None else platform):
+        pair = nnx.merge(graphdef, state)
+        st = tree_core(pair.target, pair.draft, prompt_ids, prompt_lens, limits, key, eos_ids, tree=tree,
+                       sampling=sampling, max_new_tokens=max_new_tokens, max_len=max_len, draft_len=draft_len,
+                       pad_id=pad_id, cache_dtype=cache_dtype, draft_dtype=draft_dtype, draft_sampling=draft_sampling,
+                       packed_len=packed_len, prefill_chunk=prefill_chunk, mesh=mesh)
     out = {"tokens": st.dec.tokens, "num_tokens": st.dec.num_tokens, "eos_hit": st.dec.eos_hit, "hist": st.hist,
            "hits": st.hits, "rounds": st.dec.step}
     if trace:
@@ -286,12 +288,46 @@ def _tree_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, *,
     return out
 
 
+@functools.partial(jax.jit, static_argnames=_STATIC + ("platform", "packed_len", "prefill_chunk"))
+def _tree_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, **kw):
+    """The single-device program; ``platform`` (static, part of the cache key): where the params live."""
+    return _tree_outputs(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, **kw)
+
+
+_SHARDED_JITS: dict = {}
+
+
+def sharded_tree_fn(mesh, state):
+    """The tree loop jitted for ``mesh`` with explicit shardings, as
+    :func:`specjax.decode.speculative.sharded_spec_fn`: the pair state in its own shardings
+    (:func:`specjax.decode.speculative.place_pair`), prompts / lengths / limits split by batch over
+    ``("data", "fsdp")``, key data and EOS ids replicated, outputs replicated; both KV caches
+    pinned inside the loop (batch on data/fsdp, heads on tensor), the drafted trees follow the
+    batch. Positional call: ``fn(state, prompt_ids, prompt_lens, limits, key_data, eos_ids,
+    *static)`` in ``_STATIC`` order. Cached per (mesh, state structure, shardings)."""
+    from specjax import sharding as shd
+
+    p_sh = shd.shardings_of(state)
+    cache_key = (mesh, jax.tree.structure(state), tuple(jax.tree.leaves(p_sh)))
+    fn = _SHARDED_JITS.get(cache_key)
+    if fn is None:
+        def run(state, prompt_ids, prompt_lens, limits, key_data, eos_ids, *static):
+            return _tree_outputs(static[0], state, prompt_ids, prompt_lens, limits, jax.random.wrap_key_data(key_data),
+                                 eos_ids, **dict(zip(_STATIC[1:], static[1:])), mesh=mesh)
+
+        b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
+        fn = jax.jit(run, static_argnums=tuple(range(6, 6 + len(_STATIC))),
+                     in_shardings=(p_sh, b2, b1, b1, rep, rep), out_shardings=rep)
+        _SHARDED_JITS[cache_key] = fn
+    return fn
+
+
 def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]], *, tree, max_new_tokens: int = 64,
                       sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
                       pad_id: int | None = None, context_length: int | None = None,
                       prompt_bucket: int = 32, draft_sampling: str = "greedy", trace: bool = False, split=None,
                       packed_len: int | str | None = "auto", prefill_chunk: int | None = None,
-                      limit: int | None = None) -> SpecResult:
+                      limit: int | None = None, mesh=None) -> SpecResult:
     """Tree speculative generation over token-id prompts; output as
     :func:`specjax.decode.speculative.speculative_generate_ids` (``stats`` per tree depth: the
     histogram of accepted drafted nodes per round). ``tree``: a :class:`TokenTree` or vLLM's
@@ -303,7 +339,9 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
     per sequence, the rounds in which each node was on the accepted path (node 0, the root: every
     round; for a static tree node i is ``tree.paths[i - 1]``, for a dynamic tree the i-th kept
     node of each round's own tree). ``split``, ``packed_len``, ``prefill_chunk``, ``limit``: as in
-    :func:`specjax.decode.speculative.speculative_generate_ids`."""
+    :func:`specjax.decode.speculative.speculative_generate_ids`. ``mesh`` (more than one device),
+    or params already on one: the loop runs sharded (:func:`sharded_tree_fn`; the batch padded to a
+    multiple of data x fsdp, only the real rows come back)."""
     tree = as_tree(tree)
     if _proposal_sampling(sampling, draft_sampling) is not None and isinstance(tree, DynamicTreeSpec):
         raise ValueError("a dynamic tree takes the draft's top-k children (draft_sampling='greedy'), not samples")
@@ -315,14 +353,24 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
     max_len = P + max_new_tokens + N + 1  # a verify writes N+1 rows past the committed ones
     draft_len = P + max_new_tokens + 2 * (tree.max_depth + 1)
     graphdef, state = split if split is not None else split_pair(target, sd.module)
-    state = panels.decode_state(Pair(target, sd.module), state)
-    out = _tree_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
-                    jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), tree=tree, sampling=sampling,
-                    max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len), pad_id=b.pad,
-                    cache_dtype=cache_dtype_of(target), draft_dtype=draft_dtype_of(sd.module),
-                    draft_sampling=draft_sampling, trace=bool(trace), platform=placement.platform_of(state),
-                    packed_len=resolve_packed_len(packed_len, b),
-                    prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
+    static = dict(tree=tree, sampling=sampling, max_new_tokens=int(max_new_tokens), max_len=int(max_len),
+                  draft_len=int(draft_len), pad_id=b.pad, cache_dtype=cache_dtype_of(target),
+                  draft_dtype=draft_dtype_of(sd.module), draft_sampling=draft_sampling, trace=bool(trace))
+    mesh = _mesh_for(state, mesh)
+    if mesh is not None:
+        from specjax import sharding as shd
+        from specjax.decode.generate import padded_mesh_inputs
+
+        graphdef, state = place_pair(target, sd.module, mesh, split=(graphdef, state))
+        out = sharded_tree_fn(mesh, state)(state, *padded_mesh_inputs(b, mesh, seed), graphdef,
+                                           *(static[k] for k in _STATIC[1:]))
+        out = jax.tree.map(shd.to_host, out)
+    else:
+        state = panels.decode_state(Pair(target, sd.module), state)
+        out = _tree_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
+                        jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), **static,
+                        platform=placement.platform_of(state), packed_len=resolve_packed_len(packed_len, b),
+                        prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
     out = jax.device_get(out)
     n = len(prompts)
     toks, num = out["tokens"], out["num_tokens"]
@@ -355,19 +403,23 @@ def tree_option(tree: str | None = None, *, topk: int | None = None, depth: int 
 
 def tree_generate(prompts, *, tree, target=None, draft="self", chat: bool = False, max_new_tokens: int = 64,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, dtype=None,
-                  eos_token_ids: Sequence[int] | None = None, cache_dir=None, draft_sampling: str = "greedy"):
+                  eos_token_ids: Sequence[int] | None = None, cache_dir=None, draft_sampling: str = "greedy",
+                  mesh=None):
     """Tree counterpart of :func:`specjax.decode.speculative.speculative_generate` (text prompts,
-    a target / draft by path or object, single device). Returns (completions, SpecStats)."""
+    a target / draft by path or object; ``mesh``: loaded sharded on it and the loop runs sharded).
+    Returns (completions, SpecStats)."""
     from specjax.decode.generate import completions, encode_prompts, get_target
     from specjax.decode.speculative import load_spec_draft
 
-    lt = get_target(target, dtype, cache_dir)
-    sd = load_spec_draft(draft, lt, dtype=dtype)
+    if mesh is not None and mesh.size <= 1:
+        mesh = None
+    lt = get_target(target, dtype, cache_dir, mesh)
+    sd = load_spec_draft(draft, lt, dtype=dtype, mesh=mesh)
     ids = encode_prompts(lt, prompts, chat=chat)
     eos = lt.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
     tok = lt.tokenizer
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
     res = tree_generate_ids(lt.model, sd, ids, tree=tree, max_new_tokens=max_new_tokens,
                             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
-                            eos_token_ids=eos, pad_id=pad, draft_sampling=draft_sampling)
+                            eos_token_ids=eos, pad_id=pad, draft_sampling=draft_sampling, mesh=mesh)
     return completions(lt, ids, res), res.stats
