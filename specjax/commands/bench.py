@@ -131,7 +131,8 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
     if auto and any(x is not None for x in (tree_topk, tree_depth, tree_nodes)):
         raise ValueError("--tree auto chooses a static tree; drop --tree-topk/--tree-depth/--tree-nodes")
     if tree_spec is not None and sharded:
-        raise ValueError(f"a token tree (--tree / --tree-topk ...) runs on one device, not on {describe(dev_mesh)}")
+        raise ValueError(f"bench --tree runs on one device (its tree cost probes are single-device), not on "
+                         f"{describe(dev_mesh)}; specjax generate --tree --mesh runs a tree sharded")
     main = is_main_process()
     progress = progress and main
     dt = None if dtype == "auto" else dtype

@@ -152,7 +152,8 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     if mesh is not None and mesh.size <= 1:
         mesh = None
     if tree is not None and mesh is not None:
-        raise ValueError("the tree loop runs on one device: bench a token tree without a mesh")
+        raise ValueError("bench's tree side runs on one device (single-device cost probes): bench a token tree "
+                         "without a mesh")
     sides = _Sides(target, draft, prompts, kk, batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh,
                    common=dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids,
                                pad_id=pad_id, mesh=mesh),
