@@ -6,7 +6,6 @@ downloaded with ``--download`` / ``SPECJAX_ALLOW_DOWNLOAD=1`` (:mod:`specjax.hub
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -14,7 +13,7 @@ import typer
 
 import bridge
 from bridge.roundtrip import convert
-from specjax.commands.common import console, download_option, fail, human_bytes, local_dir, parse_size
+from specjax.commands.common import console, download_option, fail, human_bytes, local_dir, output_dir, parse_size
 
 
 def register(app: typer.Typer) -> None:
@@ -24,7 +23,7 @@ def register(app: typer.Typer) -> None:
 
 
 def inspect_cmd(
-    ckpt: Path = typer.Argument(..., help="speculators checkpoint directory, or a Hub repo id"),
+    ckpt: str = typer.Argument(..., help="speculators checkpoint directory, bucket URL (gs://...) or Hub repo id"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     download: bool = download_option(),
 ):
@@ -42,7 +41,7 @@ def inspect_cmd(
 
     s = summary
     c = console()
-    where = str(ckpt) if path == ckpt else f"{ckpt} ({path})"
+    where = str(ckpt) if str(path) == ckpt else f"{ckpt} ({path})"
     c.print(f"[bold]{escape(where)}[/bold]: [cyan]{s['algorithm']}[/cyan] draft (speculators {s['speculators_version']})")
     c.print(f"  verifier            {escape(str(s['verifier']))} {escape(str(s['verifier_architectures']))}")
     c.print(f"  speculative tokens  {s['speculative_tokens']}")
@@ -64,9 +63,9 @@ def inspect_cmd(
 
 
 def audit_cmd(
-    ckpt: Path = typer.Argument(..., help="speculators checkpoint directory, or a Hub repo id"),
-    verifier: Optional[Path] = typer.Option(None, "--verifier", help="target model directory (or Hub repo id) to "
-                                                                     "check against"),
+    ckpt: str = typer.Argument(..., help="speculators checkpoint directory, bucket URL (gs://...) or Hub repo id"),
+    verifier: Optional[str] = typer.Option(None, "--verifier", help="target model directory (bucket URL or Hub "
+                                                                    "repo id) to check against"),
     deep: bool = typer.Option(False, "--deep", help="also scan tensor data for NaN / Inf"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable report"),
     download: bool = download_option(),
@@ -97,9 +96,9 @@ def audit_cmd(
 
 
 def convert_cmd(
-    src: Path = typer.Argument(..., help="source checkpoint (speculators dir, specjax Orbax dir, or with --from a "
-                                         "third-party draft; or a Hub repo id of one)"),
-    dst: Path = typer.Argument(..., help="output directory (must not exist unless --overwrite)"),
+    src: str = typer.Argument(..., help="source checkpoint (speculators dir, specjax Orbax dir, or with --from a "
+                                        "third-party draft; or a bucket URL or Hub repo id of one)"),
+    dst: str = typer.Argument(..., help="output directory or bucket URL (must not exist unless --overwrite)"),
     to: Optional[str] = typer.Option(None, "--to", help="output format: orbax | speculators (with --from: speculators)"),
     from_: Optional[str] = typer.Option(None, "--from", help="third-party source: eagle3-safeailab | dflash-zlab | "
                                                             "mtp | auto (writes a speculators checkpoint)"),
@@ -174,7 +173,9 @@ def _convert_round_trip(c, src: Path, dst: Path, to: str, *, overwrite: bool, ch
     """--to: a speculators checkpoint to Orbax or back, optionally reloaded and compared bit-exactly."""
     src = local_dir(src, kind="checkpoint", download=download)  # after the arguments are checked
     try:
-        res = convert(src, dst, to, overwrite=overwrite, check=check, max_shard_bytes=shard)
+        with output_dir(dst, overwrite=overwrite) as out:
+            res = convert(src, out, to, overwrite=overwrite, check=check, max_shard_bytes=shard)
+        res["output"] = str(dst)
     except bridge.BridgeError as e:
         fail(e, code=getattr(e, "exit_code", 2))
     if as_json:
@@ -194,8 +195,9 @@ def _convert_external(c, src: Path, from_: str, verifier: Optional[str], dst: Pa
     if verifier is not None:
         verifier = str(local_dir(verifier, kind="verifier", download=download))
     try:
-        res = bridge.convert_external(str(src), from_, verifier, dst, overwrite=overwrite, max_shard_bytes=shard,
-                                      **given)
+        with output_dir(dst, overwrite=overwrite) as out:
+            res = bridge.convert_external(str(src), from_, verifier, out, overwrite=overwrite, max_shard_bytes=shard,
+                                          **given)
     except bridge.BridgeError as e:
         from rich.markup import escape  # audit rule names look like markup tags: [aux_ids.range]
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-import sys
+from pathlib import Path
 
 import typer
+
+from bridge.errors import BridgeError, WriteError
 
 
 def console(stderr: bool = False):
@@ -48,14 +51,45 @@ def download_option():
 
 
 def local_dir(spec, *, kind: str, download: bool):
-    """``spec`` as a local path: a path as given, a Hub repo id from the local HF cache (downloaded
-    with ``--download``; :mod:`specjax.hub`). An unresolvable repo id prints its error and exits 2."""
-    from specjax import hub
+    """``spec`` as a local path: a path as given, a bucket URL (``gs://``, ``s3://``, ...) staged
+    into the local cache (:func:`specjax.storage.stage_in`: unchanged files are not fetched again),
+    a Hub repo id from the local HF cache (downloaded with ``--download``; :mod:`specjax.hub`). An
+    unresolvable repo id or an unreachable bucket prints its error and exits 2."""
+    from specjax import hub, storage
 
     try:
+        if storage.is_remote(spec):
+            return storage.stage_in(str(spec), markers=OUTPUT_MARKERS)
         return hub.resolve(spec, kind=kind, download=download or None)
     except hub.HubError as e:
         fail(e, code=e.exit_code)
+    except BridgeError as e:
+        fail(e, code=2)
+
+
+# the files that mark a checkpoint directory complete, uploaded last to a bucket (a speculators
+# checkpoint's config.json; an Orbax directory's checkpoint metadata)
+OUTPUT_MARKERS = ("config.json", "_CHECKPOINT_METADATA")
+
+
+@contextlib.contextmanager
+def output_dir(dst: str, *, overwrite: bool):
+    """Where a command writes its output directory ``dst``: ``dst`` itself, or for a bucket URL a
+    local scratch directory, published to ``dst`` when the block ends without an error
+    (:func:`specjax.storage.publish`: the markers last; an existing ``dst`` needs ``overwrite``,
+    checked before any work)."""
+    from specjax import storage
+
+    if not storage.is_remote(dst):
+        yield Path(dst)
+        return
+    remote = storage.path(dst)
+    if remote.is_dir() and storage.files(remote) and not overwrite:
+        raise WriteError("destination exists; pass --overwrite to replace it", path=dst)
+    with storage.scratch_dir() as tmp:
+        out = Path(tmp) / "out"
+        yield out
+        storage.publish(out, dst, markers=OUTPUT_MARKERS, overwrite=overwrite)
 
 
 def draft_dir(draft: str | None, *, download: bool) -> str | None:
