@@ -266,11 +266,13 @@ def prompts_cmd(
 
 
 @data_app.command("inspect")
-def inspect_cmd(data: Path = typer.Argument(..., help="a data directory")):
+def inspect_cmd(data: str = typer.Argument(..., help="a data directory or its bucket URL")):
     """Rows, tokens, layer set and completeness of a data directory."""
     from specjax.train.hidden_states import hs_path, is_complete
+    from specjax.train.pipeline import local_data_dir
 
     try:
+        data = local_data_dir(data, progress=False)
         rows = read_rows(data)
     except BridgeError as e:
         fail(e)

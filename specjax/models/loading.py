@@ -84,6 +84,10 @@ def resolve_target(target: str | os.PathLike | None, *, download: bool | None = 
     :func:`specjax.hub.resolve`)."""
     if target is None or str(target) == "default":
         return "gguf", default_gguf_path()
+    from specjax import storage
+
+    if storage.is_remote(target):  # a bucket URL: an HF directory (or one .gguf) staged into the local cache
+        target = storage.stage_in(str(target), markers=("config.json",), progress=False)
     p = Path(target).expanduser()
     if p.is_file():
         if p.suffix.lower() == ".gguf":

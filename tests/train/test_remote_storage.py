@@ -158,6 +158,14 @@ def test_prepare_to_a_bucket_then_stage_it_back(bucket, tiny_target, tiny_data, 
     assert (staged / hs[0]).read_bytes() == got[hs[0]]
     assert json.loads((staged / "specjax_data.json").read_text())["seconds"] == -1
 
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    r = CliRunner().invoke(app, ["data", "inspect", url])  # the CLI reads the bucket's directory the same way
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["rows"] == meta["rows"] and json.loads(r.stdout)["hidden_states_cached"] == meta["rows"]
+
 
 def test_train_on_a_bucket_resumes_bit_exact_and_exports_there(bucket, tiny_target, tiny_data, tmp_path):
     ref = Run(recipe(tiny_data, tmp_path / "ref"), target=tiny_target, progress=False)
@@ -246,6 +254,13 @@ def test_inspect_audit_convert_on_a_bucket(bucket, tmp_path):
     assert r.exit_code == 0, r.output
     a, b = bridge.load_checkpoint(local), bridge.load_checkpoint(tmp_path / "back")
     la, lb = jax.tree_util.tree_flatten_with_path(a.tree)[0], jax.tree_util.tree_flatten_with_path(b.tree)[0]
+    # a target given as a bucket URL is staged and loads as the local directory does
+    target = tiny.write_target(tmp_path / "t")
+    storage.publish(target, "gs://b/target", markers=("config.json",), progress=False)
+    gen = ["generate", "-p", "w5 w6 w7", "-n", "4", "--json", "-t"]
+    want, got = run(*gen, str(target)), run(*gen, "gs://b/target")
+    assert want.exit_code == got.exit_code == 0, got.output
+    assert json.loads(got.stdout)["completions"] == json.loads(want.stdout)["completions"]
     assert a.config == b.config and [p for p, _ in la] == [p for p, _ in lb] and len(la) > 5
     for (p, x), (_, y) in zip(la, lb):
         x, y = np.asarray(x), np.asarray(y)
