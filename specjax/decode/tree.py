@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -243,8 +243,11 @@ def top_children(logp, score, topk: int):
 
 def dynamic_tree(root_logp, expand: Callable, *, topk: int, depth: int, num_nodes: int) -> DynamicTree:
     """EAGLE-2's dynamic tree. root_logp f32 [B, V]: the draft's log-probs after the root.
-    ``expand(level, paths int32 [B, topk, level]) -> logp f32 [B, topk, V]``: the draft's log-probs
-    after each frontier candidate, given its root-to-node tokens (the last column is its own).
+    ``expand(level, paths int32 [B, topk, level], frontier int32 [B, topk]) -> logp f32 [B, topk, V]``:
+    the draft's log-probs after each frontier candidate, given its root-to-node tokens (the last
+    column is its own) and its index among its level's candidates (level 1: the root's top-k;
+    further levels: ``topk`` children per previous frontier node, so ``frontier // topk`` is the
+    parent's index in the previous frontier).
     Candidates: topk at depth 1, topk*topk per further depth (``M`` in all)."""
     if topk < 1 or depth < 1:
         raise ValueError(f"dynamic tree needs topk >= 1 and depth >= 1, got topk={topk} depth={depth}")
@@ -257,7 +260,7 @@ def dynamic_tree(root_logp, expand: Callable, *, topk: int, depth: int, num_node
         _, f = jax.lax.top_k(scores[-1], topk)  # frontier within the level
         front = (base + f).astype(jnp.int32)
         fpaths, fscore = jnp.take_along_axis(paths, f[..., None], 1), jnp.take_along_axis(scores[-1], f, -1)
-        s, t = top_children(expand(lvl, fpaths), fscore, topk)
+        s, t = top_children(expand(lvl, fpaths, f), fscore, topk)
         paths = jnp.concatenate([jnp.repeat(fpaths, topk, axis=1), t[..., None]], axis=-1)
         base += scores[-1].shape[1]
         scores.append(s), tokens.append(t), parents.append(jnp.repeat(front, topk, axis=1))

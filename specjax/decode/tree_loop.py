@@ -19,11 +19,14 @@ Drafting needs a chain draft's teacher-forced ``propose(..., forced=)`` (EAGLE-3
 tree (:class:`specjax.decode.tree.TokenTree`): node i's children are the draft's top-c tokens after
 the root-to-i path. A dynamic tree (:class:`DynamicTreeSpec`): the root's top-k, then per further
 depth the top-k frontier nodes (by cumulative draft log-prob) expanded, the best ``num_nodes``
-kept; each sequence has its own tree (masks, depths and children are [B, ...] arrays). Each depth's
-expanded nodes are one teacher-forced chain proposal over the batch repeated per node
-(:func:`forced_logits`): one draft call per depth, each re-reading the committed rows and
-re-running the chain's earlier steps. A tree-attention draft forward over the drafted nodes (no
-repeats) is the cheaper form; not yet. On a mesh the loop runs sharded (:func:`sharded_tree_fn`).
+kept; each sequence has its own tree (masks, depths and children are [B, ...] arrays). A chain
+draft (``extend`` then ``step``: EAGLE-3, MTP) ingests the committed rows once, then drafts each
+depth with one batched chain step over that depth's expanded nodes, each continuing its parent's
+chain state (its draft cache with the ancestors' scratch rows, and its hidden state): one step per
+expanded node, nothing re-run (:func:`_step_nodes`). Other drafts with a teacher-forced
+``propose(..., forced=)`` re-run a forced chain per expanded node (:func:`forced_logits`: one
+call per depth, each re-reading the committed rows and re-running the earlier steps); both give
+the same tree. On a mesh the loop runs sharded (:func:`sharded_tree_fn`).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from specjax.decode.spec_stats import SpecStats
 from specjax.decode.tree import TokenTree, accept_tree, compact_cache, dynamic_tree, parse_tree
 from specjax.kernels import tpu as kt
 from specjax.models import panels
-from specjax.models.drafts.common import d2t_of
+from specjax.models.drafts.common import d2t_of, last_rows, last_valid
+from specjax.models.drafts.eagle3 import ChainProposer
 from specjax.models.drafts.vocab import draft_to_target
 from specjax.models.errors import ModelError
 from specjax.models.target import CausalLM
@@ -113,17 +117,27 @@ def check_tree_draft(draft) -> None:
 
 
 def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree, *, sample: SamplingParams | None = None,
-                 key=None, vocab_size: int = 0) -> tuple[Drafted, Any]:
+                 key=None, vocab_size: int = 0, steps: bool | None = None) -> tuple[Drafted, Any]:
     """Draft ``tree`` (static or dynamic) after the committed rows (the arguments of
     ``draft.speculate``). ``sample`` (static trees): children are i.i.d. draws from the draft's
     distribution processed by ``sample`` (over ``vocab_size`` target ids), else the top-c tokens
-    (point masses). Returns the :class:`Drafted` tree and the draft cache."""
+    (point masses). ``steps``: draft each depth with one chain step per node from its parent's
+    state (default for ``extend``/``step`` chain drafts: EAGLE-3, MTP), else re-run a teacher-forced
+    chain per node (:func:`forced_logits`; same tokens). Returns the :class:`Drafted` tree and the
+    draft cache."""
     if isinstance(tree, DynamicTreeSpec):
         if sample is not None:
             raise ValueError("a dynamic tree takes the draft's top-k children (draft_sampling='greedy'), not samples")
-        return _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, tree)
-    nodes, q, cache = _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree, sample, key,
-                                      vocab_size)
+        return _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, tree, steps=steps)
+    if steps is None:
+        steps = _incremental(draft)
+    if steps:
+        nodes, q, cache = _propose_static_steps(draft, dcache, rows, next_tokens,
+                                                positions + getattr(draft, "token_position_offset", 0), n_valid, tree,
+                                                sample, key, vocab_size)
+    else:
+        nodes, q, cache = _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree, sample, key,
+                                          vocab_size)
     B = nodes.shape[0]
     bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (B, *a.shape))  # noqa: E731
     return Drafted(nodes, bc(tree.depth), bc(tree.mask), bc(tree.children), q), cache
@@ -139,6 +153,86 @@ def forced_logits(draft, dcache, rows, next_tokens, pos, n_valid, paths):
     prop = draft.propose(jax.tree_util.tree_map(rep, dcache), jax.tree_util.tree_map(rep, rows), rep(next_tokens),
                          rep(pos), k=d + 1, n_valid=rep(n_valid), forced=paths.reshape(B * F, d) if d else None)
     return prop.logits[:, d].astype(jnp.float32).reshape(B, F, -1)
+
+
+class _Chains(NamedTuple):
+    """F chain states per sequence after teacher-forced steps (leading axis F*B, f-major): the
+    draft cache holding each chain's scratch rows, and the hidden state its next step feeds on."""
+
+    cache: Any
+    hidden: jax.Array  # [F*B, H]
+
+
+def _incremental(draft) -> bool:
+    """Drafts whose chain is ``extend`` once then ``step`` per token (EAGLE-3, MTP): a tree's
+    nodes are drafted one step per depth from their parent's state (:func:`_step_nodes`)."""
+    return isinstance(draft, ChainProposer)
+
+
+def _extend_root(draft, dcache, rows, next_tokens, pos, n_valid):
+    """The committed rows ingested once: (the root's draft logits [B, Vd], the root's chain state
+    (F = 1), the committed cache to hand back, pos0 [B]: the last row's position)."""
+    n = next_tokens.shape[1]
+    ext = draft.extend(dcache, rows, next_tokens, pos, n_valid, rows=last_rows(n_valid, n))
+    return ext.logits[:, 0], _Chains(ext.cache, ext.hidden[:, 0]), ext.cache, last_valid(pos, n_valid)
+
+
+def _step_nodes(draft, parents: _Chains, parent_of, tokens, pos0, depth: int) -> tuple[jax.Array, _Chains]:
+    """One chain step for F nodes of one depth: node j continues chain ``parent_of[j]`` of
+    ``parents`` (int [F] static, or int32 [F, B] per sequence) with its token ``tokens`` [F, B]
+    (target ids) at step ``depth``. Returns its draft logits f32 [F, B, Vd] and the new states."""
+    F, B = tokens.shape
+    Fp = parents.hidden.shape[0] // B
+
+    def pick(x):  # [Fp*B, ...] -> [F*B, ...]: each node's parent chain
+        x = x.reshape(Fp, B, *x.shape[1:])
+        if isinstance(parent_of, np.ndarray):
+            x = x[parent_of]
+        else:
+            idx = parent_of.reshape(F, B, *([1] * (x.ndim - 2)))
+            x = jnp.take_along_axis(x, idx, axis=0)
+        return x.reshape(F * B, *x.shape[2:])
+
+    cache = jax.tree_util.tree_map(pick, parents.cache)
+    o = draft.step(cache, tokens.reshape(F * B), pick(parents.hidden), jnp.tile(pos0, F) + depth, depth)
+    return o.logits.astype(jnp.float32).reshape(F, B, -1), _Chains(o.cache, o.hidden)
+
+
+def _propose_static_steps(draft, dcache, rows, next_tokens, pos, n_valid, tree: TokenTree, sample, key,
+                          vocab_size: int):
+    """:func:`_propose_static` drafting each depth's internal nodes with one chain step from their
+    parents' states (the committed rows ingested once; no chain re-run per node)."""
+    B = next_tokens.shape[0]
+    d2t = d2t_of(draft)
+    root_logits, chains, cache, pos0 = _extend_root(draft, dcache, rows, next_tokens, pos, n_valid)
+    nodes = jnp.zeros((B, tree.num_nodes + 1), jnp.int32)
+    node_q = jnp.zeros((1,), jnp.float32) if sample is None else jnp.zeros((B, tree.num_nodes + 1, vocab_size))
+    prev = [0]  # the internal nodes whose chain states ``chains`` holds, in order (the root: its own)
+    c = tree.children.shape[1]
+    for d, level in enumerate(tree.levels):  # parents' tokens are set before their children's
+        inner = [int(i) for i in level if tree.children[i][0] >= 0]
+        if not inner:
+            break
+        if d == 0:
+            lg = root_logits[:, None]  # [B, 1, Vd]
+        else:
+            where = {n: j for j, n in enumerate(prev)}
+            parent_of = np.asarray([where[int(tree.parent[i])] for i in inner], np.int32)
+            lg, chains = _step_nodes(draft, chains, parent_of, nodes[:, np.asarray(inner)].T, pos0, d)
+            lg = jnp.swapaxes(lg, 0, 1)  # [B, F, Vd]
+        prev = inner
+        if sample is None:
+            top = draft_to_target(jax.lax.top_k(lg, c)[1], d2t).astype(jnp.int32)  # [B, F, C]
+        else:
+            q = draft_probs(lg, sample, d2t=d2t, vocab_size=vocab_size)  # [B, F, V]
+            top = jax.random.categorical(jax.random.fold_in(key, d), jnp.log(q)[:, :, None, :], axis=-1,
+                                         shape=(B, len(inner), c)).astype(jnp.int32)  # i.i.d., with replacement
+        for f, i in enumerate(inner):
+            kids = tree.children[i][tree.children[i] >= 0]
+            nodes = nodes.at[:, kids].set(top[:, f, : len(kids)])
+            if sample is not None:
+                node_q = node_q.at[:, kids].set(jnp.broadcast_to(q[:, f, None], (B, len(kids), vocab_size)))
+    return nodes, node_q, cache
 
 
 def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: TokenTree, sample, key,
@@ -177,22 +271,38 @@ def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: 
     return nodes, node_q, root.cache  # drafted rows are scratch: the root call's cache holds the committed rows
 
 
-def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec: DynamicTreeSpec):
+def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec: DynamicTreeSpec, *,
+                     steps: bool | None = None):
     """EAGLE-2: scores are the draft's cumulative log-probs (temperature 1, draft vocabulary); the
-    frontier of each depth is expanded by one batched teacher-forced proposal."""
+    frontier of each depth is expanded by one chain step per frontier node from its parent's
+    state (``steps``, chain drafts), or by one batched teacher-forced proposal."""
     pos = positions + getattr(draft, "token_position_offset", 0)
     d2t = d2t_of(draft)
-    root = draft.propose(dcache, rows, next_tokens, pos, k=1, n_valid=n_valid)
+    if steps is None:
+        steps = _incremental(draft)
+    if steps:
+        root_logits, root_chain, cache, pos0 = _extend_root(draft, dcache, rows, next_tokens, pos, n_valid)
+        box = {"chains": root_chain}
 
-    def expand(level, paths):  # paths [B, topk, level] draft ids
-        forced = draft_to_target(paths, d2t).astype(jnp.int32)
-        return jax.nn.log_softmax(forced_logits(draft, dcache, rows, next_tokens, pos, n_valid, forced), axis=-1)
+        def expand(level, paths, frontier):  # frontier int32 [B, topk]: each node's index in its level
+            B, F = frontier.shape
+            parent_of = (jnp.zeros((F, B), jnp.int32) if level == 1 else (frontier // spec.topk).T.astype(jnp.int32))
+            toks = draft_to_target(paths[:, :, -1], d2t).astype(jnp.int32).T  # [F, B]
+            lg, box["chains"] = _step_nodes(draft, box["chains"], parent_of, toks, pos0, level)
+            return jax.nn.log_softmax(jnp.swapaxes(lg, 0, 1), axis=-1)
+    else:
+        root = draft.propose(dcache, rows, next_tokens, pos, k=1, n_valid=n_valid)
+        root_logits, cache = root.logits[:, 0], root.cache
 
-    root_logp = jax.nn.log_softmax(root.logits[:, 0].astype(jnp.float32), axis=-1)
+        def expand(level, paths, frontier):  # noqa: ARG001  (paths [B, topk, level] draft ids)
+            forced = draft_to_target(paths, d2t).astype(jnp.int32)
+            return jax.nn.log_softmax(forced_logits(draft, dcache, rows, next_tokens, pos, n_valid, forced), axis=-1)
+
+    root_logp = jax.nn.log_softmax(root_logits.astype(jnp.float32), axis=-1)
     t = dynamic_tree(root_logp, expand, topk=spec.topk, depth=spec.depth, num_nodes=spec.num_nodes)
     B = t.tokens.shape[0]
     tokens = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), draft_to_target(t.tokens, d2t).astype(jnp.int32)], 1)
-    return Drafted(tokens, t.depth, t.mask, t.children, jnp.zeros((1,), jnp.float32)), root.cache
+    return Drafted(tokens, t.depth, t.mask, t.children, jnp.zeros((1,), jnp.float32)), cache
 
 
 def _proposal_sampling(sampling: SamplingParams, draft_sampling: str) -> SamplingParams | None:

@@ -115,7 +115,7 @@ def test_dynamic_tree_is_a_valid_best_first_tree():
 
     second = jax.nn.log_softmax(jnp.asarray(np.random.default_rng(9).normal(size=(V, V)), jnp.float32), -1)
 
-    def expand(level, paths):  # a draft that depends on the first and the last token of the path
+    def expand(level, paths, frontier):  # noqa: ARG001  a draft that depends on the first and the last token
         calls.append((level, paths.shape))
         return jax.nn.log_softmax(table[paths[..., -1]] + second[paths[..., 0]], -1)
 
@@ -139,7 +139,7 @@ def test_dynamic_tree_ties_stay_ancestor_closed():
     root = jnp.log(jnp.asarray([[0.5, 0.5, 0, 0, 0, 0]] * 3, jnp.float32) + 1e-30)
     M = topk + (depth - 1) * topk * topk
     for n in range(1, M + 1):
-        tr = dynamic_tree(root, lambda lvl, paths: table[paths[..., -1]], topk=topk, depth=depth, num_nodes=n)
+        tr = dynamic_tree(root, lambda lvl, paths, frontier: table[paths[..., -1]], topk=topk, depth=depth, num_nodes=n)
         par = np.asarray(tr.parent)
         assert (par[:, 1:] >= 0).all() and (par[:, 1:] < np.arange(1, n + 1)).all(), n
 
