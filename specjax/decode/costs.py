@@ -19,7 +19,7 @@ from specjax.models.layers import first_argmax
 from specjax.models.target import KVCache
 
 
-def _best_interleaved(calls, iters: int) -> list[float]:
+def best_interleaved(calls, iters: int) -> list[float]:
     """calls: [(fn, args)]; each compiled + warmed, then timed round-robin ``iters`` times (a load
     change hits all of them alike); best time of each."""
     for fn, args in calls:
@@ -76,8 +76,8 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     # ~300 param leaves, 1-3 ms for SmolLM2: as much as a whole draft round). The target's cache
     # is donated and handed back (lengths reset), so it is updated in place as in the loop. The
     # target probes are compiled per target (not per pair): another draft reuses them.
-    tgraph, tstate = _target_split(graphdef, state)
-    step = functools.partial(_probe_step, tgraph)
+    tgraph, tstate = target_split(graphdef, state)
+    step = functools.partial(probe_step, tgraph)
     verify = functools.partial(_probe_verify, tgraph)
 
     def cycled(fn, ids):
@@ -108,7 +108,7 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     pos = put(fill_host[:, None] + np.arange(k + 1, dtype=np.int32)[None])
     nv = put(np.full((batch,), k + 1, np.int32))
     R = 3
-    timed = _best_interleaved([(run_step, (R,)), (run_step, (2 * R,)), (run_verify, (R,)), (run_verify, (2 * R,)),
+    timed = best_interleaved([(run_step, (R,)), (run_step, (2 * R,)), (run_verify, (R,)), (run_verify, (2 * R,)),
                                (draft_round, (state, aux, idsk, pos, nv, fill, R)),
                                (draft_round, (state, aux, idsk, pos, nv, fill, 2 * R))], iters)
     # (a difference lost in timing noise falls back to the 2R call's mean, host work included)
@@ -119,14 +119,14 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
             "verify_overhead": t_verify / t_step}
 
 
-def _target_split(pair_graphdef, pair_state):
+def target_split(pair_graphdef, pair_state):
     """The target's own ``(graphdef, state)`` out of a pair's split (the same arrays)."""
     pair = nnx.merge(pair_graphdef, pair_state)
     return nnx.split(pair.target)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-def _probe_step(graphdef, state, ids, cache, reps):
+def probe_step(graphdef, state, ids, cache, reps):
     """``reps`` target decode steps (1 token, the last logit), each fed the previous argmax."""
     t = nnx.merge(graphdef, state)
 

@@ -353,7 +353,7 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
     draft_len = P + max_new_tokens + 2 * (kk + 1)
     graphdef, state = split if split is not None else split_pair(target, sd.module)
     ddtype = draft_dtype_of(sd.module)
-    mesh = _mesh_for(state, mesh)
+    mesh = loop_mesh(state, mesh)
     if mesh is not None:
         graphdef, state = place_pair(target, sd.module, mesh, split=(graphdef, state))
         out = _spec_sharded(mesh, graphdef, state, b, vak=vak, tol=tol, seed=seed, params=params,
@@ -384,7 +384,7 @@ def _result(out: dict, b, n: int, k: int, vak, tol, trace: bool) -> SpecResult:
     return res
 
 
-def _mesh_for(state, mesh):
+def loop_mesh(state, mesh):
     """The mesh the loop runs on: ``mesh`` if it has more than one device, else the mesh the
     pair's params already live on (``mesh_of``: multi-device only; None: the single-device program)."""
     from specjax.sharding import mesh_of

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.decode.costs import _best_interleaved, _probe_step, _target_split
+from specjax.decode.costs import best_interleaved, probe_step, target_split
 from specjax.decode.speculative import Pair, split_pair
 from specjax.decode.tree import TokenTree
 from specjax.decode.tree_loop import DynamicTreeSpec, propose_tree
@@ -136,7 +136,7 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
     fill = jnp.asarray(fill_host)
     maxn = max(t.num_nodes for t in trees)
     S = prompt_len + max_new_tokens + maxn + 1
-    tgraph, tstate = _target_split(graphdef, state)
+    tgraph, tstate = target_split(graphdef, state)
     taps = tuple(draft.tap_ids(cfg.num_hidden_layers))
 
     def verify_call(tree):
@@ -167,7 +167,7 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
     ids1 = jnp.ones((batch, 1), jnp.int32)
 
     def step(reps):
-        out, step_box[0] = _probe_step(tgraph, tstate, ids1, step_box[0], reps)
+        out, step_box[0] = probe_step(tgraph, tstate, ids1, step_box[0], reps)
         return out
 
     R = 3
@@ -175,7 +175,7 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
     for t in trees:
         v, dr = verify_call(t), draft_call(t)
         calls += [(v, (R,)), (v, (2 * R,)), (dr, (R,)), (dr, (2 * R,))]
-    timed = _best_interleaved(calls, iters)
+    timed = best_interleaved(calls, iters)
 
     def per_round(i):  # as measure_costs: a difference lost in noise falls back to the 2R call's mean
         return (timed[i + 1] - timed[i]) / R if timed[i + 1] > timed[i] else timed[i + 1] / (2 * R)

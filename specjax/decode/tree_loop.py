@@ -47,7 +47,7 @@ from specjax.decode.generate import DecodeState, cache_dtype_of, emit, pin_cache
 from specjax.decode.accept import draft_probs
 from specjax.decode.sampling import SamplingParams
 from specjax.decode.speculative import (
-    GREEDY, Pair, SpecResult, _mesh_for, as_spec_draft, draft_dtype_of, place_pair, split_pair,
+    GREEDY, Pair, SpecResult, loop_mesh, as_spec_draft, draft_dtype_of, place_pair, split_pair,
 )
 from specjax.decode.spec_stats import SpecStats
 from specjax.decode.tree import TokenTree, accept_tree, compact_cache, dynamic_tree, parse_tree
@@ -466,7 +466,7 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
     static = dict(tree=tree, sampling=sampling, max_new_tokens=int(max_new_tokens), max_len=int(max_len),
                   draft_len=int(draft_len), pad_id=b.pad, cache_dtype=cache_dtype_of(target),
                   draft_dtype=draft_dtype_of(sd.module), draft_sampling=draft_sampling, trace=bool(trace))
-    mesh = _mesh_for(state, mesh)
+    mesh = loop_mesh(state, mesh)
     if mesh is not None:
         from specjax import sharding as shd
         from specjax.decode.generate import padded_mesh_inputs
