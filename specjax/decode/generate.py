@@ -213,36 +213,52 @@ def generate_padded(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_
                          capture_dtype=None if capture_dtype is None else jnp.dtype(capture_dtype))
 
 
-_SHARDED_JITS: dict = {}
+_MESH_JITS: dict = {}
 _STATIC = ("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id", "cache_dtype")
 
 
-def sharded_generate_fn(mesh, params):
-    """The generate loop jitted for ``mesh`` with explicit shardings: params in their own
-    shardings, prompts / lengths / limits split by batch over ``("data", "fsdp")``, PRNG key data
-    and EOS ids replicated, outputs (tokens, counts, eos flags) replicated so every process can
-    read them; the KV cache is pinned inside (batch on data/fsdp, heads on tensor). Cached per
-    (mesh, param shardings)."""
+def mesh_loop_jit(name: str, mesh, state, run, *, num_static: int, extra_inputs: int = 0, out_shardings=None):
+    """A decode loop's ``run(state, prompt_ids, prompt_lens, limits, key_data, eos_ids, *extra,
+    *static)`` jitted for ``mesh`` with the loops' explicit shardings: ``state`` (params) in its
+    own shardings, prompts ``[B, P]`` / lengths / limits ``[B]`` split by batch over
+    ``("data", "fsdp")``, key data, EOS ids and the ``extra_inputs`` replicated, outputs
+    replicated (every process can read them) unless ``out_shardings`` says otherwise; the last
+    ``num_static`` positional arguments static. Cached per (``name``, mesh, state structure,
+    shardings): ``run`` must depend on nothing else."""
     from specjax import sharding as shd
 
-    p_sh = shd.shardings_of(params)
-    key = (mesh, jax.tree.structure(params), tuple(jax.tree.leaves(p_sh)))
-    fn = _SHARDED_JITS.get(key)
+    p_sh = shd.shardings_of(state)
+    key = (name, mesh, jax.tree.structure(state), tuple(jax.tree.leaves(p_sh)))
+    fn = _MESH_JITS.get(key)
     if fn is None:
-        def run(params, prompt_ids, prompt_lens, limits, key_data, eos_ids, graphdef, max_new_tokens, max_len,
-                sampling, pad_id, cache_dtype):
-            TRACE_COUNT["generate"] += 1
-            with placement.building_for(mesh):
-                model = nnx.merge(graphdef, params)
-                return _generate_core(model, prompt_ids, prompt_lens, limits, jax.random.wrap_key_data(key_data),
-                                      eos_ids, max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
-                                      pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh)
-
         b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
-        fn = jax.jit(run, static_argnums=tuple(range(6, 6 + len(_STATIC))), in_shardings=(p_sh, b2, b1, b1, rep, rep),
-                     out_shardings=(rep, rep, rep))
-        _SHARDED_JITS[key] = fn
+        n_in = 6 + extra_inputs
+        fn = jax.jit(run, static_argnums=tuple(range(n_in, n_in + num_static)),
+                     in_shardings=(p_sh, b2, b1, b1, rep, rep) + (rep,) * extra_inputs,
+                     out_shardings=rep if out_shardings is None else out_shardings)
+        _MESH_JITS[key] = fn
     return fn
+
+
+def sharded_generate_fn(mesh, params):
+    """The generate loop jitted for ``mesh`` (:func:`mesh_loop_jit`): params in their own
+    shardings, prompts / lengths / limits split by batch, PRNG key data and EOS ids replicated,
+    outputs (tokens, counts, eos flags) replicated; the KV cache is pinned inside (batch on
+    data/fsdp, heads on tensor). Static arguments in ``_STATIC`` order."""
+
+    def run(params, prompt_ids, prompt_lens, limits, key_data, eos_ids, graphdef, max_new_tokens, max_len,
+            sampling, pad_id, cache_dtype):
+        TRACE_COUNT["generate"] += 1
+        with placement.building_for(mesh):
+            model = nnx.merge(graphdef, params)
+            return _generate_core(model, prompt_ids, prompt_lens, limits, jax.random.wrap_key_data(key_data),
+                                  eos_ids, max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
+                                  pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh)
+
+    from specjax import sharding as shd
+
+    rep = shd.replicated(mesh)
+    return mesh_loop_jit("generate", mesh, params, run, num_static=len(_STATIC), out_shardings=(rep, rep, rep))
 
 
 def _generate_sharded(mesh, graphdef, params, b: "Batch", *, seed: int, max_new_tokens: int, max_len: int,

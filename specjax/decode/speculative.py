@@ -44,7 +44,7 @@ from specjax.decode.accept import accept, draft_probs, is_lossy, sample_draft
 from specjax.decode.batch import prepare, resolve_packed_len
 from specjax.decode.generate import (
     GREEDY, Completion, DecodeState, GenerationResult, cache_dtype_of, completions, emit, encode_prompts, get_target,
-    pin_cache, start,
+    mesh_loop_jit, pin_cache, start,
 )
 from specjax.decode.sampling import SamplingParams
 from specjax.kernels import tpu as kt
@@ -221,36 +221,24 @@ def _spec_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, re
                          prefill_chunk=prefill_chunk, platform=platform)
 
 
-_SHARDED_JITS: dict = {}
-
-
 def sharded_spec_fn(mesh, state):
-    """The speculative loop jitted for ``mesh`` with explicit shardings, like
-    :func:`specjax.decode.generate.sharded_generate_fn`: the pair state (``split_pair``) in its own
-    shardings (:func:`place_pair`), prompts ``[B, P]`` / lengths / limits ``[B]`` split by batch over
-    ``("data", "fsdp")``, PRNG key data, EOS ids and the relaxation pair replicated; outputs
-    replicated so every process can read them. Both KV caches are pinned inside the loop.
-    Positional call: ``fn(state, prompt_ids, prompt_lens, limits, key_data, eos_ids, relax,
-    *static)`` with the static arguments in ``_STATIC`` order (``jax.jit`` takes no keyword
-    arguments when ``in_shardings`` is given). Cached per (mesh, state structure, shardings)."""
-    from specjax import sharding as shd
+    """The speculative loop jitted for ``mesh`` with explicit shardings
+    (:func:`specjax.decode.generate.mesh_loop_jit`, as the generate loop): the pair state
+    (``split_pair``) in its own shardings (:func:`place_pair`), prompts ``[B, P]`` / lengths /
+    limits ``[B]`` split by batch over ``("data", "fsdp")``, PRNG key data, EOS ids and the
+    relaxation pair replicated; outputs replicated so every process can read them. Both KV caches
+    are pinned inside the loop. Positional call: ``fn(state, prompt_ids, prompt_lens, limits,
+    key_data, eos_ids, relax, *static)`` with the static arguments in ``_STATIC`` order
+    (``jax.jit`` takes no keyword arguments when ``in_shardings`` is given)."""
 
-    p_sh = shd.shardings_of(state)
-    cache_key = (mesh, jax.tree.structure(state), tuple(jax.tree.leaves(p_sh)))
-    fn = _SHARDED_JITS.get(cache_key)
-    if fn is None:
-        def run(state, prompt_ids, prompt_lens, limits, key_data, eos_ids, relax, graphdef, params, max_new_tokens,
-                max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace):
-            return _spec_outputs(graphdef, state, prompt_ids, prompt_lens, limits, jax.random.wrap_key_data(key_data),
-                                 eos_ids, relax, params=params, max_new_tokens=max_new_tokens, max_len=max_len,
-                                 draft_len=draft_len, pad_id=pad_id, cache_dtype=cache_dtype, draft_dtype=draft_dtype,
-                                 trace=trace, mesh=mesh)
+    def run(state, prompt_ids, prompt_lens, limits, key_data, eos_ids, relax, graphdef, params, max_new_tokens,
+            max_len, draft_len, pad_id, cache_dtype, draft_dtype, trace):
+        return _spec_outputs(graphdef, state, prompt_ids, prompt_lens, limits, jax.random.wrap_key_data(key_data),
+                             eos_ids, relax, params=params, max_new_tokens=max_new_tokens, max_len=max_len,
+                             draft_len=draft_len, pad_id=pad_id, cache_dtype=cache_dtype, draft_dtype=draft_dtype,
+                             trace=trace, mesh=mesh)
 
-        b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
-        fn = jax.jit(run, static_argnums=tuple(range(7, 7 + len(_STATIC))),
-                     in_shardings=(p_sh, b2, b1, b1, rep, rep, rep), out_shardings=rep)
-        _SHARDED_JITS[cache_key] = fn
-    return fn
+    return mesh_loop_jit("speculative", mesh, state, run, num_static=len(_STATIC), extra_inputs=1)
 
 
 _PAIR_RULES = {"target": "TARGET_RULES", "draft": "DRAFT_RULES"}

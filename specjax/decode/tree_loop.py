@@ -43,7 +43,7 @@ from flax import nnx
 
 from specjax import placement
 from specjax.decode.batch import prepare, resolve_packed_len
-from specjax.decode.generate import DecodeState, cache_dtype_of, emit, pin_cache, start
+from specjax.decode.generate import DecodeState, cache_dtype_of, emit, mesh_loop_jit, pin_cache, start
 from specjax.decode.accept import draft_probs
 from specjax.decode.sampling import SamplingParams
 from specjax.decode.speculative import (
@@ -129,15 +129,8 @@ def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree, *, 
         if sample is not None:
             raise ValueError("a dynamic tree takes the draft's top-k children (draft_sampling='greedy'), not samples")
         return _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, tree, steps=steps)
-    if steps is None:
-        steps = _incremental(draft)
-    if steps:
-        nodes, q, cache = _propose_static_steps(draft, dcache, rows, next_tokens,
-                                                positions + getattr(draft, "token_position_offset", 0), n_valid, tree,
-                                                sample, key, vocab_size)
-    else:
-        nodes, q, cache = _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree, sample, key,
-                                          vocab_size)
+    nodes, q, cache = _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree, sample, key,
+                                      vocab_size, _incremental(draft) if steps is None else steps)
     B = nodes.shape[0]
     bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (B, *a.shape))  # noqa: E731
     return Drafted(nodes, bc(tree.depth), bc(tree.mask), bc(tree.children), q), cache
@@ -198,28 +191,40 @@ def _step_nodes(draft, parents: _Chains, parent_of, tokens, pos0, depth: int) ->
     return o.logits.astype(jnp.float32).reshape(F, B, -1), _Chains(o.cache, o.hidden)
 
 
-def _propose_static_steps(draft, dcache, rows, next_tokens, pos, n_valid, tree: TokenTree, sample, key,
-                          vocab_size: int):
-    """:func:`_propose_static` drafting each depth's internal nodes with one chain step from their
-    parents' states (the committed rows ingested once; no chain re-run per node)."""
+def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: TokenTree, sample, key,
+                    vocab_size: int, steps: bool):
+    """Node i's children (rank order) are the draft's top-c tokens after the root-to-i path (or
+    i.i.d. draws from its processed distribution, ``sample``). The internal nodes of one depth
+    share one batched draft call: with ``steps`` one chain step each from its parent's state
+    (:func:`_step_nodes`; the committed rows ingested once), else one teacher-forced chain each
+    (:func:`forced_logits`). Returns (nodes int32 [B, N+1] target ids, column 0 zero; q f32
+    [B, N+1, V] or [1]; the draft cache)."""
     B = next_tokens.shape[0]
+    pos = positions + getattr(draft, "token_position_offset", 0)
     d2t = d2t_of(draft)
-    root_logits, chains, cache, pos0 = _extend_root(draft, dcache, rows, next_tokens, pos, n_valid)
+    if steps:
+        root_logits, chains, cache, pos0 = _extend_root(draft, dcache, rows, next_tokens, pos, n_valid)
+    else:
+        root = draft.propose(dcache, rows, next_tokens, pos, k=1, n_valid=n_valid)
+        root_logits, cache = root.logits[:, 0], root.cache  # drafted rows are scratch: this cache is the committed one
     nodes = jnp.zeros((B, tree.num_nodes + 1), jnp.int32)
     node_q = jnp.zeros((1,), jnp.float32) if sample is None else jnp.zeros((B, tree.num_nodes + 1, vocab_size))
-    prev = [0]  # the internal nodes whose chain states ``chains`` holds, in order (the root: its own)
+    prev = [0]  # with ``steps``: the internal nodes whose chain states ``chains`` holds, in order
     c = tree.children.shape[1]
-    for d, level in enumerate(tree.levels):  # parents' tokens are set before their children's
+    for d, level in enumerate(tree.levels):  # static: parents' tokens are set before their children's
         inner = [int(i) for i in level if tree.children[i][0] >= 0]
         if not inner:
-            break
+            continue
         if d == 0:
-            lg = root_logits[:, None]  # [B, 1, Vd]
-        else:
+            lg = root_logits[:, None].astype(jnp.float32)  # [B, 1, Vd]
+        elif steps:
             where = {n: j for j, n in enumerate(prev)}
             parent_of = np.asarray([where[int(tree.parent[i])] for i in inner], np.int32)
             lg, chains = _step_nodes(draft, chains, parent_of, nodes[:, np.asarray(inner)].T, pos0, d)
             lg = jnp.swapaxes(lg, 0, 1)  # [B, F, Vd]
+        else:
+            paths = nodes[:, tree.path_nodes[np.asarray(inner)][:, 1:d + 1]]  # [B, F, d]
+            lg = forced_logits(draft, dcache, rows, next_tokens, pos, n_valid, paths)
         prev = inner
         if sample is None:
             top = draft_to_target(jax.lax.top_k(lg, c)[1], d2t).astype(jnp.int32)  # [B, F, C]
@@ -233,42 +238,6 @@ def _propose_static_steps(draft, dcache, rows, next_tokens, pos, n_valid, tree: 
             if sample is not None:
                 node_q = node_q.at[:, kids].set(jnp.broadcast_to(q[:, f, None], (B, len(kids), vocab_size)))
     return nodes, node_q, cache
-
-
-def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: TokenTree, sample, key,
-                    vocab_size: int):
-    """Node i's children (rank order) are the draft's top-c tokens after the root-to-i path (or
-    i.i.d. draws from its processed distribution, ``sample``); the internal nodes of one depth share
-    one batched proposal (:func:`forced_logits`). Returns (nodes int32 [B, N+1] target ids,
-    column 0 zero; q f32 [B, N+1, V] or [1]; the draft cache)."""
-    B = next_tokens.shape[0]
-    pos = positions + getattr(draft, "token_position_offset", 0)
-    d2t = d2t_of(draft)
-    root = draft.propose(dcache, rows, next_tokens, pos, k=1, n_valid=n_valid)
-    nodes = jnp.zeros((B, tree.num_nodes + 1), jnp.int32)
-    node_q = jnp.zeros((1,), jnp.float32) if sample is None else jnp.zeros((B, tree.num_nodes + 1, vocab_size))
-    for d, level in enumerate(tree.levels):  # static: parents' tokens are set before their children's
-        inner = [int(i) for i in level if tree.children[i][0] >= 0]
-        if not inner:
-            continue
-        if d == 0:
-            lg = root.logits[:, :1].astype(jnp.float32)  # [B, 1, Vd]
-        else:
-            paths = nodes[:, tree.path_nodes[np.asarray(inner)][:, 1:d + 1]]  # [B, F, d]
-            lg = forced_logits(draft, dcache, rows, next_tokens, pos, n_valid, paths)
-        c = tree.children.shape[1]
-        if sample is None:
-            top = draft_to_target(jax.lax.top_k(lg, c)[1], d2t).astype(jnp.int32)  # [B, F, C]
-        else:
-            q = draft_probs(lg, sample, d2t=d2t, vocab_size=vocab_size)  # [B, F, V]
-            top = jax.random.categorical(jax.random.fold_in(key, d), jnp.log(q)[:, :, None, :], axis=-1,
-                                         shape=(B, len(inner), c)).astype(jnp.int32)  # i.i.d., with replacement
-        for f, i in enumerate(inner):
-            kids = tree.children[i][tree.children[i] >= 0]
-            nodes = nodes.at[:, kids].set(top[:, f, : len(kids)])
-            if sample is not None:
-                node_q = node_q.at[:, kids].set(jnp.broadcast_to(q[:, f, None], (B, len(kids), vocab_size)))
-    return nodes, node_q, root.cache  # drafted rows are scratch: the root call's cache holds the committed rows
 
 
 def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec: DynamicTreeSpec, *,
@@ -404,32 +373,19 @@ def _tree_jit(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, **
     return _tree_outputs(graphdef, state, prompt_ids, prompt_lens, limits, key, eos_ids, **kw)
 
 
-_SHARDED_JITS: dict = {}
-
-
 def sharded_tree_fn(mesh, state):
-    """The tree loop jitted for ``mesh`` with explicit shardings, as
-    :func:`specjax.decode.speculative.sharded_spec_fn`: the pair state in its own shardings
-    (:func:`specjax.decode.speculative.place_pair`), prompts / lengths / limits split by batch over
-    ``("data", "fsdp")``, key data and EOS ids replicated, outputs replicated; both KV caches
-    pinned inside the loop (batch on data/fsdp, heads on tensor), the drafted trees follow the
-    batch. Positional call: ``fn(state, prompt_ids, prompt_lens, limits, key_data, eos_ids,
-    *static)`` in ``_STATIC`` order. Cached per (mesh, state structure, shardings)."""
-    from specjax import sharding as shd
+    """The tree loop jitted for ``mesh`` (:func:`specjax.decode.generate.mesh_loop_jit`, the
+    shardings of the chain loop's :func:`specjax.decode.speculative.sharded_spec_fn`): the pair
+    state in its own shardings, prompts / lengths / limits split by batch, key data and EOS ids
+    replicated, outputs replicated; both KV caches pinned inside the loop (batch on data/fsdp,
+    heads on tensor), the drafted trees follow the batch. Positional call: ``fn(state, prompt_ids,
+    prompt_lens, limits, key_data, eos_ids, *static)`` in ``_STATIC`` order."""
 
-    p_sh = shd.shardings_of(state)
-    cache_key = (mesh, jax.tree.structure(state), tuple(jax.tree.leaves(p_sh)))
-    fn = _SHARDED_JITS.get(cache_key)
-    if fn is None:
-        def run(state, prompt_ids, prompt_lens, limits, key_data, eos_ids, *static):
-            return _tree_outputs(static[0], state, prompt_ids, prompt_lens, limits, jax.random.wrap_key_data(key_data),
-                                 eos_ids, **dict(zip(_STATIC[1:], static[1:])), mesh=mesh)
+    def run(state, prompt_ids, prompt_lens, limits, key_data, eos_ids, *static):
+        return _tree_outputs(static[0], state, prompt_ids, prompt_lens, limits, jax.random.wrap_key_data(key_data),
+                             eos_ids, **dict(zip(_STATIC[1:], static[1:])), mesh=mesh)
 
-        b1, b2, rep = shd.batch_sharding(mesh, 1), shd.batch_sharding(mesh, 2), shd.replicated(mesh)
-        fn = jax.jit(run, static_argnums=tuple(range(6, 6 + len(_STATIC))),
-                     in_shardings=(p_sh, b2, b1, b1, rep, rep), out_shardings=rep)
-        _SHARDED_JITS[cache_key] = fn
-    return fn
+    return mesh_loop_jit("tree", mesh, state, run, num_static=len(_STATIC))
 
 
 def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]], *, tree, max_new_tokens: int = 64,
@@ -474,21 +430,20 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
         graphdef, state = place_pair(target, sd.module, mesh, split=(graphdef, state))
         out = sharded_tree_fn(mesh, state)(state, *padded_mesh_inputs(b, mesh, seed), graphdef,
                                            *(static[k] for k in _STATIC[1:]))
-        out = jax.tree.map(shd.to_host, out)
+        out = jax.tree.map(shd.to_host, out)  # every process reads the replicated outputs
     else:
         state = panels.decode_state(Pair(target, sd.module), state)
         out = _tree_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
                         jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), **static,
                         platform=placement.platform_of(state), packed_len=resolve_packed_len(packed_len, b),
                         prefill_chunk=None if prefill_chunk is None else int(prefill_chunk))
-    out = jax.device_get(out)
+        out = jax.device_get(out)
     n = len(prompts)
     toks, num = out["tokens"], out["num_tokens"]
     res = SpecResult(tokens=[toks[i, : num[i]].tolist() for i in range(n)],
                      stop_reasons=["eos" if e else "length" for e in out["eos_hit"][:n]],
                      prompt_lengths=b.lens.tolist(), stats=SpecStats(tree.max_depth, np.asarray(out["hist"])[:n], False),
-                     rounds=int(out["rounds"]))
-    res.node_hits = np.asarray(out["hits"])[:n]
+                     rounds=int(out["rounds"]), node_hits=np.asarray(out["hits"])[:n])
     if trace:
         res.trace = {"target_cache": out["target_cache"]}
     return res
