@@ -78,19 +78,12 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     # target probes are compiled per target (not per pair): another draft reuses them.
     tgraph, tstate = target_split(graphdef, state)
     step = functools.partial(probe_step, tgraph)
-    verify = functools.partial(_probe_verify, tgraph)
+    verify = functools.partial(probe_verify, tgraph)
 
-    def cycled(fn, ids):
-        box = [jax.tree.map(jnp.copy, tcache)]
-
-        def call(reps):
-            out, box[0] = fn(tstate, ids, box[0], reps)
-            return out
-        return call
 
     ids1 = put(np.ones((batch, 1), np.int32))
     idsk = put(np.ones((batch, k + 1), np.int32))
-    run_step, run_verify = cycled(step, ids1), cycled(verify, idsk)
+    run_step, run_verify = cycled(step, tstate, ids1, tcache), cycled(verify, tstate, idsk, tcache)
     # the draft round's target rows (their values do not change its cost)
     aux = tuple(put(np.ones((batch, k + 1, cfg.hidden_size), np.dtype(dtype)), 3) for _ in taps)
 
@@ -111,12 +104,28 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     timed = best_interleaved([(run_step, (R,)), (run_step, (2 * R,)), (run_verify, (R,)), (run_verify, (2 * R,)),
                                (draft_round, (state, aux, idsk, pos, nv, fill, R)),
                                (draft_round, (state, aux, idsk, pos, nv, fill, 2 * R))], iters)
-    # (a difference lost in timing noise falls back to the 2R call's mean, host work included)
-    t_step, t_verify, t_draft = ((timed[i + 1] - timed[i]) / R if timed[i + 1] > timed[i] else timed[i + 1] / (2 * R)
-                                 for i in (0, 2, 4))
+    t_step, t_verify, t_draft = (per_round(timed[i], timed[i + 1], R) for i in (0, 2, 4))
     return {"target_step_ms": round(1e3 * t_step, 3), "verify_ms": round(1e3 * t_verify, 3),
             "draft_round_ms": round(1e3 * t_draft, 3), "c": t_draft / (k * t_step),
             "verify_overhead": t_verify / t_step}
+
+
+def per_round(t_r: float, t_2r: float, R: int) -> float:
+    """One round's seconds from a probe timed at R and 2R rounds in one call: the difference per R
+    (host dispatch cancels); a difference lost in timing noise falls back to the 2R call's mean,
+    host work included."""
+    return (t_2r - t_r) / R if t_2r > t_r else t_2r / (2 * R)
+
+
+def cycled(fn, state, ids, cache):
+    """``call(reps)`` running ``fn(state, ids, cache, reps)`` (a probe that donates its cache and
+    hands it back) on its own copy of ``cache``, kept between calls."""
+    box = [jax.tree.map(jnp.copy, cache)]
+
+    def call(reps):
+        out, box[0] = fn(state, ids, box[0], reps)
+        return out
+    return call
 
 
 def target_split(pair_graphdef, pair_state):
@@ -138,13 +147,15 @@ def probe_step(graphdef, state, ids, cache, reps):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-def _probe_verify(graphdef, state, ids, cache, reps):
-    """``reps`` verify forwards ([B, k+1] tokens, every logit). The loop's verify also hands the
-    draft's taps out (a few [B, k+1, H] rows): left out here, so one compile serves every draft."""
+def probe_verify(graphdef, state, ids, cache, reps, mask=None):
+    """``reps`` verify forwards ([B, k+1] tokens, every logit), each fed the last's argmax;
+    ``mask`` bool [B, T, T]: a token tree's verify with that tree mask. The loop's verify also
+    hands the draft's taps out (a few [B, k+1, H] rows): left out here, so one compile serves
+    every draft."""
     t = nnx.merge(graphdef, state)
 
     def body(_, c):
         ids, cache = c
-        out = t(ids, cache=cache)
+        out = t(ids, cache=cache, tree_mask=mask)
         return first_argmax(out.logits), out.cache.rollback(cache.lengths)
     return jax.lax.fori_loop(0, reps, body, (ids, cache))

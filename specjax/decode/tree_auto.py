@@ -33,12 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.decode.costs import best_interleaved, probe_step, target_split
+from specjax.decode.costs import best_interleaved, cycled, per_round, probe_step, probe_verify, target_split
 from specjax.decode.speculative import Pair, split_pair
 from specjax.decode.tree import TokenTree
 from specjax.decode.tree_loop import DynamicTreeSpec, propose_tree
 from specjax.models import panels
-from specjax.models.layers import first_argmax
 from specjax.models.target import KVCache
 
 # node counts tried by ``--tree auto`` (those the calibrated table can fill)
@@ -138,6 +137,7 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
     S = prompt_len + max_new_tokens + maxn + 1
     tgraph, tstate = target_split(graphdef, state)
     taps = tuple(draft.tap_ids(cfg.num_hidden_layers))
+    cache = KVCache.init(cfg, batch, S, dtype, lengths=fill)  # each probe donates its own copy
 
     def verify_call(tree):
         n1 = tree.num_nodes + 1
@@ -145,13 +145,8 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
             mask = jnp.asarray(np.broadcast_to(tree.mask, (batch, n1, n1)))
         else:
             mask = jnp.broadcast_to(jnp.tril(jnp.ones((n1, n1), bool)), (batch, n1, n1))
-        box = [KVCache.init(cfg, batch, S, dtype, lengths=jnp.array(fill_host))]  # donated: its own lengths
         ids = jnp.ones((batch, n1), jnp.int32)
-
-        def call(reps):
-            out, box[0] = _probe_tree_verify(tgraph, tstate, ids, mask, box[0], reps)
-            return out
-        return call
+        return cycled(functools.partial(probe_verify, tgraph, mask=mask), tstate, ids, cache)
 
     def draft_call(tree):
         D = tree.max_depth
@@ -163,12 +158,7 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
         fn = functools.partial(_probe_tree_draft, graphdef, tree, batch, slots, dtype)
         return lambda reps: fn(state, aux, ids, pos, nv, fill, reps)
 
-    step_box = [KVCache.init(cfg, batch, S, dtype, lengths=jnp.array(fill_host))]  # donated: its own lengths
-    ids1 = jnp.ones((batch, 1), jnp.int32)
-
-    def step(reps):
-        out, step_box[0] = probe_step(tgraph, tstate, ids1, step_box[0], reps)
-        return out
+    step = cycled(functools.partial(probe_step, tgraph), tstate, jnp.ones((batch, 1), jnp.int32), cache)
 
     R = 3
     calls = [(step, (R,)), (step, (2 * R,))]
@@ -177,23 +167,8 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
         calls += [(v, (R,)), (v, (2 * R,)), (dr, (R,)), (dr, (2 * R,))]
     timed = best_interleaved(calls, iters)
 
-    def per_round(i):  # as measure_costs: a difference lost in noise falls back to the 2R call's mean
-        return (timed[i + 1] - timed[i]) / R if timed[i + 1] > timed[i] else timed[i + 1] / (2 * R)
-
-    costs = [TreeCost(1e3 * per_round(2 + 4 * j), 1e3 * per_round(4 + 4 * j)) for j in range(len(trees))]
-    return 1e3 * per_round(0), costs
-
-
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-def _probe_tree_verify(graphdef, state, ids, mask, cache, reps):
-    """``reps`` tree verifies ([B, N+1] tokens, the tree mask, every logit), each fed the last's argmax."""
-    t = nnx.merge(graphdef, state)
-
-    def body(_, c):
-        ids, cache = c
-        out = t(ids, cache=cache, tree_mask=mask)
-        return first_argmax(out.logits), out.cache.rollback(cache.lengths)
-    return jax.lax.fori_loop(0, reps, body, (ids, cache))
+    ms = [1e3 * per_round(timed[i], timed[i + 1], R) for i in range(0, len(timed), 2)]
+    return ms[0], [TreeCost(ms[1 + 2 * j], ms[2 + 2 * j]) for j in range(len(trees))]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
