@@ -5,7 +5,8 @@ bucket and prefills each batch's prompts back to back in one packed row of one l
 ``generate_ids``' "auto" picks for the longest batch; see ``generate.prefill``): each loop compiles
 once. Unpacked on one device (batch 1), each batch pads to its own bucket (a multiple of
 ``prompt_bucket``, 32 by default; one compile of each loop per bucket), so its prefill pays for
-about its real length. The per-round costs come from :func:`specjax.decode.costs.measure_costs`. Compile time is measured on a warm-up batch of each bucket and
+about its real length. The per-round costs come from :func:`specjax.decode.costs.measure_costs`.
+Compile time is measured on a warm-up batch of each bucket and
 excluded. Then per batch it times target-only generation and speculative generation back to
 back (interleaved, so a change in machine load hits both alike). It reports:
 
@@ -23,6 +24,10 @@ back (interleaved, so a change in machine load hits both alike). It reports:
   ingest, one token; timed on the same batches stopped after one token by ``limit=1``, in the
   same compiled programs), which the formula leaves out, and its ratio to the prediction: what
   the loop itself achieves.
+
+With ``tree`` the tree loop (:mod:`specjax.decode.tree_loop`) is a third side on the same batches,
+interleaved with the other two; ``"auto"`` chooses the tree first (:mod:`specjax.decode.tree_auto`)
+and the report's ``tree`` record holds the choice, the tree's acceptance, speed and round cost.
 
 Padding sequences (to fill the last batch) are generated and timed but not counted.
 
@@ -259,6 +264,7 @@ class _Sides:
         self.tsplit = nnx.split(target) if mesh is None else None
         self.sides = ["base", "spec"]
         self.tree = None
+        self.tree_cost = None  # (target step ms, TreeCost) measured while choosing the tree
         self.tree_kw: dict = {}
 
     def run(self, side: str, j: int, s: int, **over):
@@ -300,15 +306,14 @@ class _Sides:
             prompt_len=bucket(int(np.mean(self.lens))), max_new_tokens=self.common["max_new_tokens"],
             iters=cost_iters, split=self.split)
         best, scored = tree_auto.choose_tree(p, step_ms, costs, trees)
-        self.tree = best.tree
+        self.tree, self.tree_cost = best.tree, (step_ms, best.cost)
         return {"calibration": {"tree": {"depth": cal.max_depth, "width": p.shape[1]}, "batches": n_cal,
                                 "rounds_reaching_depth": reached.tolist(),
                                 "rank_acceptance": [[round(float(x), 4) for x in row] for row in p],
                                 "seconds": round(cal_s, 2)},
                 "target_step_ms": round(step_ms, 3), "candidates": [c.to_json() for c in scored],
                 "cost_seconds": round(time.perf_counter() - t0, 2), "picked": best.to_json(),
-                "pick_rule": "the smallest tree predicted within 2% of the best predicted speedup",
-                "_costs": (step_ms, best.cost)}
+                "pick_rule": "the smallest tree predicted within 2% of the best predicted speedup"}
 
     def warm(self, seed: int):
         """One batch of each bucket through every side (compiles them): seconds per side and the
@@ -383,8 +388,8 @@ def _tree_fields(sides: _Sides, timed: _Timed, fixed: dict, auto: dict | None, c
     """The report's ``tree`` record: the tree, its acceptance, speed (vs target-only and the
     chain), its measured round cost and predicted speedup, and ``auto``'s choice."""
     st = timed.stats["tree"]
-    if auto is not None:
-        step_ms, c = auto.pop("_costs")
+    if sides.tree_cost is not None:
+        step_ms, c = sides.tree_cost
     else:
         step_ms, (c,) = tree_auto.measure_tree_costs(sides.target, sides.draft.module, [sides.tree],
                                                      batch=batch_size, prompt_len=probe_len,
