@@ -36,6 +36,9 @@ from specjax.paths import cache_root
 # scheme -> (the fsspec package behind it, the pip extra that installs it)
 BACKENDS = {"gs": ("gcsfs", "specjax[gcs]"), "s3": ("s3fs", "specjax[s3]"), "az": ("adlfs", "adlfs"),
             "hf": ("huggingface_hub", "huggingface-hub")}
+# the files that mark a model or checkpoint directory complete, uploaded last (a speculators
+# checkpoint's or HF model's config.json; an Orbax directory's checkpoint metadata)
+CHECKPOINT_MARKERS = ("config.json", "_CHECKPOINT_METADATA")
 SOURCE_NAME = ".specjax-remote.json"  # in a staged copy: the URL and the markers it was staged from
 CHUNK = 16 << 20
 THREADS = 8

@@ -59,17 +59,12 @@ def local_dir(spec, *, kind: str, download: bool):
 
     try:
         if storage.is_remote(spec):
-            return storage.stage_in(str(spec), markers=OUTPUT_MARKERS)
+            return storage.stage_in(str(spec), markers=storage.CHECKPOINT_MARKERS)
         return hub.resolve(spec, kind=kind, download=download or None)
     except hub.HubError as e:
         fail(e, code=e.exit_code)
     except BridgeError as e:
         fail(e, code=2)
-
-
-# the files that mark a checkpoint directory complete, uploaded last to a bucket (a speculators
-# checkpoint's config.json; an Orbax directory's checkpoint metadata)
-OUTPUT_MARKERS = ("config.json", "_CHECKPOINT_METADATA")
 
 
 @contextlib.contextmanager
@@ -89,7 +84,7 @@ def output_dir(dst: str, *, overwrite: bool):
     with storage.scratch_dir() as tmp:
         out = Path(tmp) / "out"
         yield out
-        storage.publish(out, dst, markers=OUTPUT_MARKERS, overwrite=overwrite)
+        storage.publish(out, dst, markers=storage.CHECKPOINT_MARKERS, overwrite=overwrite)
 
 
 def draft_dir(draft: str | None, *, download: bool) -> str | None:

@@ -87,7 +87,7 @@ def resolve_target(target: str | os.PathLike | None, *, download: bool | None = 
     from specjax import storage
 
     if storage.is_remote(target):  # a bucket URL: an HF directory (or one .gguf) staged into the local cache
-        target = storage.stage_in(str(target), markers=("config.json",), progress=False)
+        target = storage.stage_in(str(target), markers=storage.CHECKPOINT_MARKERS, progress=False)
     p = Path(target).expanduser()
     if p.is_file():
         if p.suffix.lower() == ".gguf":

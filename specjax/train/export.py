@@ -175,7 +175,7 @@ def export_draft(out: str | os.PathLike, model, config_doc: dict, *, export_dtyp
         with storage.scratch_dir() as tmp:
             local = export_draft(Path(tmp) / "export", model, config_doc, export_dtype=export_dtype, audit=audit,
                                  metadata=metadata)
-            storage.publish(local, out, markers=("config.json",), overwrite=overwrite, progress=False)
+            storage.publish(local, out, markers=storage.CHECKPOINT_MARKERS, overwrite=overwrite, progress=False)
         return storage.path(out)
     algo = config_doc["speculators_model_type"]
     flat = model_flat(model)
