@@ -220,6 +220,38 @@ def publish(local_dir, url, *, markers=(), overwrite: bool = False, progress: bo
         write_text(local_dir / SOURCE_NAME, json.dumps({"url": os.fspath(url), "markers": _stamp(local_dir, markers)}))
 
 
+def signatures(root) -> dict[str, tuple[int, int]]:
+    """``name -> (size, mtime_ns)`` of every file under the local directory ``root`` (hidden files
+    left out): taken before a command changes a staged copy, for :func:`push_changed`."""
+    root = Path(root)
+    out = {}
+    for n in files(root, hidden=False):
+        st = (root / n).stat()
+        out[n] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def push_changed(local_dir, url, before: dict, *, markers=(), progress: bool = True) -> list[str]:
+    """Upload to ``url`` the files of ``local_dir`` (its staged copy) that are new or changed since
+    ``before`` (:func:`signatures`), the changed markers deleted there first and uploaded last, so a
+    reader never sees new files under old markers as complete. The copy is recorded as staged
+    again (no later download). Returns the names uploaded."""
+    local_dir, dst = Path(local_dir), path(url)
+    now = signatures(local_dir)
+    changed = [n for n, sig in now.items() if before.get(n) != sig]
+    marks = [m for m in markers if m in changed]
+    for m in marks:
+        if (dst / m).exists():
+            (dst / m).unlink()
+    _transfer([(local_dir / n, dst / n) for n in changed if n not in marks], progress=progress,
+              desc=f"uploading to {os.fspath(url)}")
+    for m in marks:
+        _copy(local_dir / m, dst / m)
+    if local_dir.resolve() == cache_dir(url).resolve():
+        write_text(local_dir / SOURCE_NAME, json.dumps({"url": os.fspath(url), "markers": _stamp(local_dir, markers)}))
+    return [n for n in changed if n not in marks] + marks
+
+
 def scratch_dir() -> tempfile.TemporaryDirectory:
     """A temporary local directory for something built here and then published."""
     root = cache_root() / "remote"

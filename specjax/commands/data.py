@@ -182,7 +182,8 @@ def _prepare_on_target(cfg, out: str, target: Optional[str], spec, records, *, m
 
 @data_app.command("extract")
 def extract_cmd(
-    data: Path = typer.Option(..., "--data", "-d", help="a tokenized dataset directory (ours or speculators')"),
+    data: str = typer.Option(..., "--data", "-d", help="a tokenized dataset directory (ours or speculators') or its "
+                                                       "bucket URL"),
     target: str = typer.Option("default", "--target", "-t"),
     aux_layer_ids: Optional[str] = typer.Option(None, "--aux-layer-ids", help="default [2, n//2, n-3]"),
     hs_dtype: str = typer.Option("bfloat16", "--hidden-states-dtype"),
@@ -197,17 +198,22 @@ def extract_cmd(
     """Write hidden_states/hs_{i}.safetensors for every row that lacks one (resumable).
 
     On a mesh of several devices the target loads straight into its shardings and each batch is
-    split over the data and fsdp axes; only process 0 writes files."""
+    split over the data and fsdp axes; only process 0 writes files. A bucket URL is staged into
+    the local cache and the new files are uploaded when the extraction finishes (markers last)."""
     from specjax.train.hidden_states import default_aux_layer_ids, extract_hidden_states
+    from specjax.train.pipeline import updating_data_dir
 
+    progress = not as_json and is_main_process()
     try:
-        rows = read_rows(data)
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any JAX work
-        lt = _load_target(target, dev_mesh, progress=not as_json and is_main_process(), download=download)
-        aux = _ids(aux_layer_ids) or default_aux_layer_ids(lt.config.num_hidden_layers)
-        res = extract_hidden_states(lt.model, rows, data, aux_layer_ids=aux, dtype=hs_dtype,
-                                    max_batch_tokens=max_batch_tokens, progress=not as_json, target_name=lt.source,
-                                    log=_log, mesh=dev_mesh if dev_mesh.size > 1 else None)
+        with updating_data_dir(data, progress=progress) as local:
+            rows = read_rows(local)
+            lt = _load_target(target, dev_mesh, progress=progress, download=download)
+            aux = _ids(aux_layer_ids) or default_aux_layer_ids(lt.config.num_hidden_layers)
+            res = extract_hidden_states(lt.model, rows, local, aux_layer_ids=aux, dtype=hs_dtype,
+                                        max_batch_tokens=max_batch_tokens, progress=not as_json,
+                                        target_name=lt.source, log=_log,
+                                        mesh=dev_mesh if dev_mesh.size > 1 else None)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
     if not is_main_process():
@@ -218,27 +224,31 @@ def extract_cmd(
 
 @data_app.command("vocab")
 def vocab_cmd(
-    data: Path = typer.Option(..., "--data", "-d"),
+    data: str = typer.Option(..., "--data", "-d", help="a tokenized dataset directory or its bucket URL"),
     draft_vocab_size: int = typer.Option(..., "--draft-vocab-size", min=1),
     target_vocab_size: Optional[int] = typer.Option(None, "--target-vocab-size", help="default: from --target"),
     target: str = typer.Option("default", "--target", "-t"),
     download: bool = download_option(),
 ):
-    """Token frequencies (token_freq.pt) and d2t-<N>.npy / t2d-<N>.npy, as speculators builds them."""
-    try:
-        fp = data / TOKEN_FREQ_NAME
-        if fp.is_file():
-            freq = load_token_freq(fp)
-        else:
-            freq = token_frequencies(read_rows(data))
-            save_token_freq(fp, freq)
-        if target_vocab_size is None:
-            from specjax.models.loading import load_target
+    """Token frequencies (token_freq.pt) and d2t-<N>.npy / t2d-<N>.npy, as speculators builds them
+    (written into the directory; a bucket URL's new files are uploaded)."""
+    from specjax.train.pipeline import updating_data_dir
 
-            fetch_target(target, download=download)
-            target_vocab_size = load_target(target, progress=False).config.vocab_size
-        d2t, t2d = build_vocab_mapping(freq, draft_vocab_size, target_vocab_size)
-        pd, pt = save_vocab_mapping(data, d2t, t2d)
+    try:
+        with updating_data_dir(data, progress=False) as local:
+            fp = local / TOKEN_FREQ_NAME
+            if fp.is_file():
+                freq = load_token_freq(fp)
+            else:
+                freq = token_frequencies(read_rows(local))
+                save_token_freq(fp, freq)
+            if target_vocab_size is None:
+                from specjax.models.loading import load_target
+
+                fetch_target(target, download=download)
+                target_vocab_size = load_target(target, progress=False).config.vocab_size
+            d2t, t2d = build_vocab_mapping(freq, draft_vocab_size, target_vocab_size)
+            pd, pt = save_vocab_mapping(local, d2t, t2d)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
     total = sum(freq.values())

@@ -31,6 +31,7 @@ A bucket URL (``gs://b/data``) is built in its local cache directory
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -387,6 +388,21 @@ def _prepare_remote(url: str, spec: DataSpec, target, *, progress: bool, log, re
 def local_data_dir(path, *, progress: bool = True) -> Path:
     """A data directory to read: a local one as it is, a bucket URL's staged into its cache directory."""
     return storage.stage_in(path, markers=MARKERS, progress=progress)
+
+
+@contextlib.contextmanager
+def updating_data_dir(path, *, progress: bool = True):
+    """A data directory to add files to (hidden states, vocabulary maps): a local one as it is; a
+    bucket URL's staged copy, whose new and changed files are uploaded when the block ends
+    without an error (process 0; the markers last: :func:`specjax.storage.push_changed`)."""
+    if not storage.is_remote(path):
+        yield Path(path)
+        return
+    local = local_data_dir(path, progress=progress)
+    before = storage.signatures(local)
+    yield local
+    if shd.is_main_process():
+        storage.push_changed(local, path, before, markers=MARKERS, progress=progress)
 
 
 def load_data_dir(path: str | os.PathLike) -> tuple[ds.TokenRows, dict]:

@@ -265,3 +265,41 @@ def test_inspect_audit_convert_on_a_bucket(bucket, tmp_path):
     for (p, x), (_, y) in zip(la, lb):
         x, y = np.asarray(x), np.asarray(y)
         assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), p
+
+
+def test_extract_and_vocab_on_a_bucket(bucket, tiny_target_dir, tiny_data, tmp_path):
+    """`data extract` / `data vocab --data gs://...`: the directory is staged, the new files (hidden
+    states; token_freq.pt and the vocabulary maps) are uploaded with the markers last, bit-exact
+    with the same commands on a local copy; a second extract uploads nothing."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    url = "gs://b/rows"
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_data, bare, ignore=shutil.ignore_patterns("hidden_states", "*.npy", "token_freq.pt"))
+    storage.publish(bare, url, markers=pipeline.MARKERS, progress=False)
+    run = lambda *a: CliRunner().invoke(app, list(a))  # noqa: E731
+    aux = ",".join(map(str, TINY_AUX))
+    up = {}
+    for d in (str(bare), url):
+        bucket.opened.clear()
+        r = run("data", "extract", "--data", d, "--target", str(tiny_target_dir), "--aux-layer-ids", aux, "--json")
+        assert r.exit_code == 0, r.output
+        up["extract"] = bucket.writes(url)
+        bucket.opened.clear()
+        r = run("data", "vocab", "--data", d, "--draft-vocab-size", "40", "--target", str(tiny_target_dir))
+        assert r.exit_code == 0 and "d2t-40.npy" in r.output, r.output
+        up["vocab"] = bucket.writes(url)
+    rows = json.loads((bare / "specjax_data.json").read_text())["rows"]
+    hs = [n for n in up["extract"] if n.startswith("hidden_states/")]
+    assert len(hs) == rows and up["extract"][:rows] == hs, up["extract"]  # the rows first, then changed markers
+    assert set(up["extract"][rows:]) <= set(pipeline.MARKERS), up["extract"]
+    assert sorted(up["vocab"]) == ["d2t-40.npy", "t2d-40.npy", "token_freq.pt"], up["vocab"]  # unchanged files stay
+    assert _tree_bytes(storage.path(url)) == _tree_bytes(bare)
+    bucket.opened.clear()
+    r = run("data", "extract", "--data", url, "--target", str(tiny_target_dir), "--aux-layer-ids", aux, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout.strip().splitlines()[-1])["written"] == 0, r.output
+    assert bucket.writes(url) == []
