@@ -143,7 +143,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="interleaved passes; each side's fastest is kept")
     args = ap.parse_args()
 
-    from specjax.decode import bench
+    from specjax.decode import bench, bench_plot
     from specjax.decode.sampling import SamplingParams
     from specjax.decode.speculative import load_spec_draft
     from specjax.models.loading import load_target
@@ -173,7 +173,7 @@ def main():
             for tau in (2.0, 2.5, 3.0, 3.5)}
     rep.data["breakdown"] = breakdown(rep.data, load_before, os.getloadavg())
     if args.plot:
-        bench.plot(rep, args.plot)
+        bench_plot.plot(rep, args.plot)
         rep.data["plot"] = args.plot
     print(rep.to_json())
 

@@ -118,7 +118,7 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
     """Set up the devices, read the prompts, load the target and draft (into the mesh's shardings
     when it has several devices) and run both sides; with --plot, process 0 draws it. Returns
     ``(report, device mesh, whether this is the main process)``."""
-    from specjax.decode import bench
+    from specjax.decode import bench, bench_plot
     from specjax.decode.sampling import SamplingParams
     from specjax.decode.speculative import load_spec_draft
     from specjax.decode.tree_loop import tree_option
@@ -154,7 +154,7 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
                           mesh=dev_mesh if sharded else None, tree=tree_spec, tree_calibration=tree_calibration)
     if plot_path:
         if main:
-            bench.plot(rep, plot_path)
+            bench_plot.plot(rep, plot_path)
         sync("specjax-bench-plot")
         rep.data["plot"] = plot_path
     return rep, dev_mesh, main

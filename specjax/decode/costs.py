@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import sharding as shd
+from specjax.decode.generate import pin_cache
 from specjax.decode.speculative import Pair, place_pair, split_pair
 from specjax.models import panels
 from specjax.models.drafts.common import greedy
@@ -42,11 +44,7 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     ``mesh``: inputs and caches placed as the sharded loop places them (batch over data/fsdp,
     heads over tensor; ``batch`` is padded to a multiple of data x fsdp), params as in ``split``
     (default :func:`specjax.decode.speculative.place_pair`)."""
-    from specjax.decode.generate import pin_cache
-
     if mesh is not None:
-        from specjax import sharding as shd
-
         batch = shd.pad_batch(batch, mesh)
         if split is None:
             split = place_pair(target, draft, mesh)
@@ -79,25 +77,12 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     tgraph, tstate = target_split(graphdef, state)
     step = functools.partial(probe_step, tgraph)
     verify = functools.partial(probe_verify, tgraph)
-
-
     ids1 = put(np.ones((batch, 1), np.int32))
     idsk = put(np.ones((batch, k + 1), np.int32))
     run_step, run_verify = cycled(step, tstate, ids1, tcache), cycled(verify, tstate, idsk, tcache)
     # the draft round's target rows (their values do not change its cost)
     aux = tuple(put(np.ones((batch, k + 1, cfg.hidden_size), np.dtype(dtype)), 3) for _ in taps)
-
-    @jax.jit
-    def draft_round(state, aux, ids, pos, nv, fill, reps):
-        d = nnx.merge(graphdef, state).draft
-        dcache = pin_cache(d.init_cache(batch, S + 2 * (k + 1), dtype, lengths=fill), mesh)
-        rows = d.aux_from_taps(aux)
-
-        def body(_, ids):
-            prop = d.speculate(dcache, rows, ids, pos, n_valid=nv, k=k, sample=greedy)
-            return jnp.concatenate([prop.tokens[:, :1].astype(ids.dtype), ids[:, 1:]], axis=1)
-        return jax.lax.fori_loop(0, reps, body, ids)
-
+    draft_round = draft_round_probe(graphdef, batch=batch, cache_len=S + 2 * (k + 1), k=k, dtype=dtype, mesh=mesh)
     pos = put(fill_host[:, None] + np.arange(k + 1, dtype=np.int32)[None])
     nv = put(np.full((batch,), k + 1, np.int32))
     R = 3
@@ -108,6 +93,24 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     return {"target_step_ms": round(1e3 * t_step, 3), "verify_ms": round(1e3 * t_verify, 3),
             "draft_round_ms": round(1e3 * t_draft, 3), "c": t_draft / (k * t_step),
             "verify_overhead": t_verify / t_step}
+
+
+def draft_round_probe(graphdef, *, batch: int, cache_len: int, k: int, dtype, mesh=None):
+    """A jitted ``(state, aux, ids, pos, n_valid, fill, reps) -> ids``: ``reps`` draft rounds in
+    one call (ingest the k+1 target rows, propose k greedily), each fed by the previous round's
+    first proposal, on a fresh draft cache of ``cache_len`` slots filled to ``fill``."""
+    @jax.jit
+    def draft_round(state, aux, ids, pos, nv, fill, reps):
+        d = nnx.merge(graphdef, state).draft
+        dcache = pin_cache(d.init_cache(batch, cache_len, dtype, lengths=fill), mesh)
+        rows = d.aux_from_taps(aux)
+
+        def body(_, ids):
+            prop = d.speculate(dcache, rows, ids, pos, n_valid=nv, k=k, sample=greedy)
+            return jnp.concatenate([prop.tokens[:, :1].astype(ids.dtype), ids[:, 1:]], axis=1)
+        return jax.lax.fori_loop(0, reps, body, ids)
+
+    return draft_round
 
 
 def per_round(t_r: float, t_2r: float, R: int) -> float:
