@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import placement
+from specjax import sharding as shd
 from specjax.decode.sampling import GREEDY, SamplingParams, sample
 from specjax.kernels import tpu as kt
 from specjax.models import panels
@@ -37,7 +38,10 @@ from specjax.decode.batch import (  # noqa: F401  (the loops' host side; also re
     PACK_MAX, Batch, bucket, packed_length, prepare, resolve_packed_len, worth_packing,
 )
 from specjax.decode.prefill import chunked_prefill, prefill  # noqa: F401
+from specjax.models.loading import LoadedTarget
 from specjax.models.target import CausalLM, KVCache
+from specjax.sharding import TARGET_RULES, constrain_cache, mesh_of, named_shardings
+from specjax.sharding.placement import Placement
 
 TRACE_COUNT = {"generate": 0}  # bumped each time the jitted loop is traced (= compiled)
 
@@ -110,8 +114,6 @@ def pin_cache(cache, mesh):
     data/fsdp, heads on tensor) inside a traced loop; unchanged without a mesh."""
     if mesh is None:
         return cache
-    from specjax.sharding import constrain_cache
-
     return constrain_cache(cache, mesh)
 
 
@@ -225,8 +227,6 @@ def mesh_loop_jit(name: str, mesh, state, run, *, num_static: int, extra_inputs:
     replicated (every process can read them) unless ``out_shardings`` says otherwise; the last
     ``num_static`` positional arguments static. Cached per (``name``, mesh, state structure,
     shardings): ``run`` must depend on nothing else."""
-    from specjax import sharding as shd
-
     p_sh = shd.shardings_of(state)
     key = (name, mesh, jax.tree.structure(state), tuple(jax.tree.leaves(p_sh)))
     fn = _MESH_JITS.get(key)
@@ -255,8 +255,6 @@ def sharded_generate_fn(mesh, params):
                                   eos_ids, max_new_tokens=max_new_tokens, max_len=max_len, sampling=sampling,
                                   pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh)
 
-    from specjax import sharding as shd
-
     rep = shd.replicated(mesh)
     return mesh_loop_jit("generate", mesh, params, run, num_static=len(_STATIC), out_shardings=(rep, rep, rep))
 
@@ -278,8 +276,6 @@ def padded_mesh_inputs(b: "Batch", mesh, seed: int, *, abstract: bool = False) -
     data x fsdp (extra rows: length 1, limit 0, so they are done at once) and split over the batch
     axes; the key and EOS ids replicated. ``abstract``: the same as ``jax.ShapeDtypeStruct`` with
     those shardings (shapes and dtypes only; nothing is placed: a deviceless compile)."""
-    from specjax import sharding as shd
-
     B = b.ids.shape[0]
     Bp = shd.pad_batch(B, mesh)
     ids = np.full((Bp, b.ids.shape[1]), b.pad, np.int32)
@@ -344,12 +340,8 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
     P = b.padded_len
     max_len = min(P + max_new_tokens, max(b.context_length, P))
     graphdef, params = split if split is not None else nnx.split(model)
-    from specjax.sharding import mesh_of
-
     placed = mesh_of(params)
     if mesh is not None and mesh.size > 1 and placed != mesh:  # place a copy by the target rules
-        from specjax.sharding import TARGET_RULES, named_shardings
-
         params = jax.device_put(params, named_shardings(params, TARGET_RULES, mesh))
     mesh = placed if mesh is None else mesh
     if mesh is not None and mesh.size > 1:
@@ -388,16 +380,12 @@ _LOADED: dict = {}
 def get_target(target, dtype, cache_dir, mesh=None):
     """A ``LoadedTarget`` from what the Python API takes (a LoadedTarget, a ``CausalLM``, a source
     string or None for the default), loaded once per (source, dtype, mesh) in this process."""
-    from specjax.models.loading import LoadedTarget
-
     if isinstance(target, LoadedTarget):
         return target
     if isinstance(target, CausalLM):
         return LoadedTarget(target, target.config, None, "<module>", "module")
     key = (None if target is None else str(target), str(dtype), mesh)
     if key not in _LOADED:
-        from specjax.sharding.placement import Placement
-
         _LOADED[key] = Placement.of(mesh).load_target(target, dtype=dtype, cache_dir=cache_dir)
     return _LOADED[key]
 

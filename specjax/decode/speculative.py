@@ -40,11 +40,12 @@ import numpy as np
 from flax import nnx
 
 from specjax import placement
+from specjax import sharding as shd
 from specjax.decode.accept import accept, draft_probs, is_lossy, sample_draft
 from specjax.decode.batch import prepare, resolve_packed_len
 from specjax.decode.generate import (
     GREEDY, Completion, DecodeState, GenerationResult, cache_dtype_of, completions, emit, encode_prompts, get_target,
-    mesh_loop_jit, pin_cache, start,
+    mesh_loop_jit, padded_mesh_inputs, pin_cache, start,
 )
 from specjax.decode.sampling import SamplingParams
 from specjax.kernels import tpu as kt
@@ -56,6 +57,7 @@ from specjax.decode.spec_draft import (  # noqa: F401  (the draft side of the lo
 )
 from specjax.models import panels
 from specjax.models.target import CausalLM
+from specjax.sharding import mesh_of
 
 TRACE_COUNT = {"speculative": 0}  # bumped each time the speculative loop is traced (= compiled)
 
@@ -255,8 +257,6 @@ def place_pair(target: CausalLM, draft, mesh, *, split=None):
     ``specjax.sharding`` rule errors naming the parameter and the mesh."""
     from jax.sharding import NamedSharding
 
-    from specjax import sharding as shd
-
     graphdef, state = split if split is not None else split_pair(target, draft)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     parts: dict[str, dict] = {}
@@ -375,8 +375,6 @@ def _result(out: dict, b, n: int, k: int, vak, tol, trace: bool) -> SpecResult:
 def loop_mesh(state, mesh):
     """The mesh the loop runs on: ``mesh`` if it has more than one device, else the mesh the
     pair's params already live on (``mesh_of``: multi-device only; None: the single-device program)."""
-    from specjax.sharding import mesh_of
-
     if mesh is None or mesh.size <= 1:
         mesh = mesh_of(state)
     return mesh
@@ -386,9 +384,6 @@ def _spec_sharded(mesh, graphdef, state, b, *, vak, tol, seed: int, params: Spec
                   max_len: int, draft_len: int, cache_dtype, draft_dtype, trace: bool) -> dict:
     """Pad the batch to a multiple of data x fsdp (extra rows: limit 0, done at once, no stats),
     run :func:`sharded_spec_fn`, return host outputs (every row; :func:`_result` drops the padding)."""
-    from specjax import sharding as shd
-    from specjax.decode.generate import padded_mesh_inputs
-
     fn = sharded_spec_fn(mesh, state)
     relax = shd.put(np.asarray([vak, tol], np.float32), shd.replicated(mesh))
     out = fn(state, *padded_mesh_inputs(b, mesh, seed), relax,

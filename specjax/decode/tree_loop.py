@@ -42,12 +42,16 @@ import numpy as np
 from flax import nnx
 
 from specjax import placement
+from specjax import sharding as shd
 from specjax.decode.batch import prepare, resolve_packed_len
-from specjax.decode.generate import DecodeState, cache_dtype_of, emit, mesh_loop_jit, pin_cache, start
+from specjax.decode.generate import (
+    DecodeState, cache_dtype_of, completions, emit, encode_prompts, get_target, mesh_loop_jit, padded_mesh_inputs,
+    pin_cache, start,
+)
 from specjax.decode.accept import draft_probs
 from specjax.decode.sampling import SamplingParams
 from specjax.decode.speculative import (
-    GREEDY, Pair, SpecResult, loop_mesh, as_spec_draft, draft_dtype_of, place_pair, split_pair,
+    GREEDY, Pair, SpecResult, loop_mesh, as_spec_draft, draft_dtype_of, load_spec_draft, place_pair, split_pair,
 )
 from specjax.decode.spec_stats import SpecStats
 from specjax.decode.tree import TokenTree, accept_tree, compact_cache, dynamic_tree, parse_tree
@@ -424,9 +428,6 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
                   draft_dtype=draft_dtype_of(sd.module), draft_sampling=draft_sampling, trace=bool(trace))
     mesh = loop_mesh(state, mesh)
     if mesh is not None:
-        from specjax import sharding as shd
-        from specjax.decode.generate import padded_mesh_inputs
-
         graphdef, state = place_pair(target, sd.module, mesh, split=(graphdef, state))
         out = sharded_tree_fn(mesh, state)(state, *padded_mesh_inputs(b, mesh, seed), graphdef,
                                            *(static[k] for k in _STATIC[1:]))
@@ -473,9 +474,6 @@ def tree_generate(prompts, *, tree, target=None, draft="self", chat: bool = Fals
     """Tree counterpart of :func:`specjax.decode.speculative.speculative_generate` (text prompts,
     a target / draft by path or object; ``mesh``: loaded sharded on it and the loop runs sharded).
     Returns (completions, SpecStats)."""
-    from specjax.decode.generate import completions, encode_prompts, get_target
-    from specjax.decode.speculative import load_spec_draft
-
     if mesh is not None and mesh.size <= 1:
         mesh = None
     lt = get_target(target, dtype, cache_dir, mesh)

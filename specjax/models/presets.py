@@ -53,7 +53,7 @@ def target_config_for(target: str, *, overrides: dict | None = None) -> TargetCo
     elif (p / "config.json").is_file():
         doc, where = json.loads((p / "config.json").read_text(encoding="utf-8")), str(p / "config.json")
     else:
-        from specjax.models.loading import hf_cache_snapshot
+        from specjax.models.loading import hf_cache_snapshot  # heavy: flax and the model code (presets need neither)
 
         snap = hf_cache_snapshot(str(target)) if "/" in str(target) and not p.exists() else None
         if snap is not None and (snap / "config.json").is_file():

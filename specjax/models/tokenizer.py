@@ -176,7 +176,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as Backend
 
         if not hasattr(gf, "reader"):
-            from specjax.models.gguf import GGUFFile
+            from specjax.models.gguf import GGUFFile  # heavy: jax (this module imports without it)
 
             gf = GGUFFile(gf)
         kind = gf.get("tokenizer.ggml.model")

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from specjax.models.presets import target_config_for
 from specjax.plan.programs import BUILDERS, DEFAULT_PROGRAMS, PROGRAMS, PlanError, PlanInputs, Program  # noqa: F401
 from specjax.plan.report import ProgramReport, analyse, count_ops  # noqa: F401
 from specjax.plan.topology import CHIPS, Chip, TopologyError, chip_of, topology_devices, tpu_mesh  # noqa: F401
+from specjax.sharding import describe
 
 DEFAULT_MESH = "data=1,tensor=-1"  # an 8B target needs tensor parallel on a 16 GiB chip
 
@@ -39,9 +41,6 @@ def plan(cfg, topology: str, *, mesh=DEFAULT_MESH, programs=None, target=None, t
     compilation cache is off while planning, so ``compile_s`` is the compiler's real time.
     ``on_report(report)`` is called as each row is done."""
     import jax
-
-    from specjax.models.presets import target_config_for
-    from specjax.sharding import describe
 
     names = parse_programs(programs)
     chip = chip_of(topology)

@@ -19,10 +19,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import bridge
 import specjax.sharding as shd
 from specjax import placement
+from specjax.decode.batch import prepare
+from specjax.decode.generate import DecodeState, decode_step, padded_mesh_inputs, sharded_generate_fn
+from specjax.decode.speculative import (
+    GREEDY, SpecParams, SpecState, draft_dtype_of, place_pair, sharded_spec_fn, spec_round, split_pair,
+)
 from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
+from specjax.models.drafts.load import build_draft
+from specjax.models.layers import first_argmax
+from specjax.models.target import KVCache, build_model
+from specjax.train.algorithms.base import trainable_filter_for
+from specjax.train.draft_doc import draft_config_doc
+from specjax.train.hidden_states import DTYPES, cache_layer_ids, default_aux_layer_ids, make_tap_fn
+from specjax.train.optim import build_optimizer
+from specjax.train.sharded import BATCH_NDIM, step_shardings
+from specjax.train.step import make_step_fns
 
 PROGRAMS = ("train", "extract", "generate", "speculate", "verify")
 DEFAULT_PROGRAMS = PROGRAMS[:4]  # verify: on request (a sweep over tree sizes)
@@ -84,8 +99,6 @@ def _abstract(module, rules, mesh):
 
 
 def abstract_target(p: PlanInputs):
-    from specjax.models.target import build_model
-
     model = build_model(p.target, param_dtype=p.target_dtype, abstract=True)
     graphdef, state = _abstract(model, shd.TARGET_RULES, p.mesh)
     return nnx.merge(graphdef, state)
@@ -97,16 +110,11 @@ def _target_stub(p: PlanInputs):
 
 
 def _aux_ids(p: PlanInputs) -> list[int]:
-    from specjax.train.hidden_states import default_aux_layer_ids
-
     d = p.cfg.draft
     return list(d.target_layer_ids) if d.target_layer_ids else default_aux_layer_ids(p.target.num_hidden_layers)
 
 
 def draft_config(p: PlanInputs):
-    import bridge
-    from specjax.train.draft_doc import draft_config_doc
-
     V = p.target.vocab_size
     Vd = p.cfg.draft.draft_vocab_size or V
     doc = draft_config_doc(p.cfg, _target_stub(p), aux_layer_ids=_aux_ids(p), draft_vocab_size=Vd)
@@ -135,12 +143,6 @@ def _batch_or_rep(mesh, x):
 def train_program(p: PlanInputs) -> Program:
     """The recipe's train step (``make_step_fns`` with ``step_shardings``, as ``Run`` builds it) for
     ``N`` packed rows of ``seq`` tokens."""
-    from specjax.models.drafts.load import build_draft
-    from specjax.train.optim import build_optimizer
-    from specjax.train.sharded import BATCH_NDIM, step_shardings
-    from specjax.train.step import make_step_fns
-    from specjax.train.algorithms.base import trainable_filter_for
-
     cfg, mesh = p.cfg, p.mesh
     dcfg = draft_config(p)
     model = build_draft(dcfg, param_dtype=jnp.float32, abstract=True)
@@ -183,8 +185,6 @@ def train_program(p: PlanInputs) -> Program:
 
 def extract_program(p: PlanInputs) -> Program:
     """Hidden-state extraction (``make_tap_fn``) of ``B`` rows of ``seq`` tokens."""
-    from specjax.train.hidden_states import DTYPES, cache_layer_ids, make_tap_fn
-
     n = p.target.num_hidden_layers
     layer_ids = cache_layer_ids(_aux_ids(p), n)
     B, T = _rows(p, "extract"), int(p.seq or p.cfg.data.total_seq_len)
@@ -197,8 +197,6 @@ def extract_program(p: PlanInputs) -> Program:
 
 
 def _decode_batch(p: PlanInputs):
-    from specjax.decode.batch import prepare
-
     B = 1 if p.batch is None else int(p.batch)
     if B < 1:
         raise PlanError(f"decode batch {B}: expected >= 1")
@@ -211,9 +209,6 @@ def _decode_batch(p: PlanInputs):
 def _decode_state(p: PlanInputs, Bp: int, max_len: int, cache_dtype):
     """Abstract :class:`specjax.decode.generate.DecodeState` of ``Bp`` rows, sharded as the loop
     pins it (cache: batch x heads; rows on the batch axes when they divide; scalars replicated)."""
-    from specjax.decode.generate import DecodeState
-    from specjax.models.target import KVCache
-
     mesh = p.mesh
     cache = jax.eval_shape(lambda: KVCache.init(p.target, Bp, kt.cache_slots(max_len, mesh), cache_dtype))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
@@ -227,8 +222,6 @@ def _decode_state(p: PlanInputs, Bp: int, max_len: int, cache_dtype):
 
 def generate_program(p: PlanInputs) -> Program:
     """The generate loop (``sharded_generate_fn``: prefill + ``while_loop``) and one decode step."""
-    from specjax.decode.generate import GREEDY, decode_step, padded_mesh_inputs, sharded_generate_fn
-
     mesh = p.mesh
     target = abstract_target(p)
     graphdef, params = nnx.split(target)
@@ -255,12 +248,6 @@ def generate_program(p: PlanInputs) -> Program:
 
 def speculate_program(p: PlanInputs) -> Program:
     """The speculative loop (``sharded_spec_fn``) with the recipe's draft, and one round."""
-    from specjax.decode.speculative import (
-        GREEDY, SpecParams, SpecState, draft_dtype_of, place_pair, sharded_spec_fn, spec_round, split_pair,
-    )
-    from specjax.decode.generate import padded_mesh_inputs
-    from specjax.models.drafts.load import build_draft
-
     mesh = p.mesh
     target = abstract_target(p)
     draft = build_draft(draft_config(p), param_dtype=p.target_dtype, abstract=True, verifier_heads=False)
@@ -305,9 +292,6 @@ def verify_program(p: PlanInputs) -> Program:
     """One target verify forward of ``k + 1`` rows (a chain of k drafted tokens or a token tree of
     k nodes: the tree loop's verify, with an ancestor mask) over the decode cache, sharded as the
     loops shard it: what a round's verify costs as a function of the tree's size."""
-    from specjax.models.layers import first_argmax
-    from specjax.models.target import KVCache
-
     mesh = p.mesh
     target = abstract_target(p)
     graphdef, params = nnx.split(target)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specjax.sharding.errors import MeshConfigError
+from specjax.sharding.mesh import AXES, load_mesh_config
 
 
 class TopologyError(ValueError):
@@ -78,8 +79,6 @@ def tpu_mesh(topology: str, mesh_spec="data=1,tensor=-1"):
     preset / file / inline sizes (``specjax.sharding.load_mesh_config``). Built from the device
     array directly (``jax.make_mesh`` refuses simulated v4 cores)."""
     from jax.sharding import AxisType, Mesh
-
-    from specjax.sharding.mesh import AXES, load_mesh_config
 
     cfg = load_mesh_config(mesh_spec)
     devs = topology_devices(topology)

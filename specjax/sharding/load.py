@@ -23,6 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+import bridge
+from bridge.device import aligned_empty
+from bridge.layout import get_path
+from specjax.models.config import TargetConfig
+from specjax.models.drafts.verifier_weights import VerifierSource
+from specjax.sharding.apply import mesh_of
 from specjax.sharding.mesh import make_mesh
 from specjax.sharding.rules import DRAFT_RULES, TARGET_RULES, PartitionRules, as_rules, partition_specs, path_str, spec_for
 
@@ -70,8 +76,6 @@ def copy_slice(src: np.ndarray, dtype) -> np.ndarray:
     client adopts such a buffer without a copy), copied in row chunks; a chunk whose file
     bytes are contiguous has its pages released as soon as it is copied, so a large slice never
     holds both its file pages and its copy in full."""
-    from bridge.device import aligned_empty
-
     out = aligned_empty(src.shape, dtype)
     if src.ndim == 0 or src.size == 0 or src.nbytes <= CHUNK_BYTES:
         out[...] = src
@@ -124,8 +128,6 @@ def sharding_fn(tree, rules: "PartitionRules | Iterable", mesh) -> Callable[[tup
     """``path -> NamedSharding`` over a nested tree of arrays / views (e.g. ``bridge.load_checkpoint(p).tree``),
     checked for every leaf up front: what ``Checkpoint.to_device(sharding=...)`` and
     ``bridge.restore_orbax(sharding=...)`` take."""
-    from bridge.layout import get_path
-
     mesh = _mesh(mesh)
     rules = as_rules(rules)
     partition_specs(tree, rules, mesh)
@@ -143,7 +145,7 @@ def _mesh(mesh) -> Mesh:
 def check_target(config, rules: "PartitionRules | Iterable" = TARGET_RULES, mesh=None, *, dtype=jnp.float32) -> None:
     """Raise if the target for ``config`` (a ``TargetConfig``) does not fit ``rules`` on ``mesh``
     (nothing allocated: the model is built abstractly)."""
-    from specjax.models.target import build_model
+    from specjax.models.target import build_model  # heavy: flax (specjax.sharding is imported by the CLI)
 
     partition_specs(build_model(config, param_dtype=dtype, abstract=True), rules, _mesh(mesh))
 
@@ -156,8 +158,7 @@ def load_target(target=None, mesh=None, *, rules: "PartitionRules | Iterable" = 
 
     HF directories (and cached GGUFs) are read slice by slice from the memory map, in every
     process at once; all processes must call this with the same arguments."""
-    from specjax.models.config import TargetConfig
-    from specjax.models.loading import load_target as _load, resolve_target
+    from specjax.models.loading import load_target as _load, resolve_target  # heavy: flax and the model code
 
     mesh = _mesh(mesh)
     rules = as_rules(rules)
@@ -179,8 +180,6 @@ def _verifier_for(target):
     (``to_host``: a global array of a multi-process run cannot be copied with ``np.asarray``)."""
     from flax import nnx
 
-    from specjax.sharding.apply import mesh_of
-
     src = getattr(target, "source", None)
     model = target if isinstance(target, nnx.Module) else getattr(target, "model", None)  # CausalLM | LoadedTarget
     if not isinstance(model, nnx.Module) or mesh_of(model) is None:
@@ -191,8 +190,6 @@ def _verifier_for(target):
 
 
 def _gathering_source(module):
-    from specjax.models.drafts.verifier_weights import VerifierSource
-
     return VerifierSource.from_module(module)  # gathers each tensor with to_host (multi-process safe)
 
 
@@ -204,7 +201,7 @@ def load_draft(path: str | os.PathLike, target: Any = None, mesh=None, *,
     target), the whole abstract model checked against the rules before a tensor is read, then
     each tensor from the checkpoint's memory map straight into its sharding (the ``place`` /
     ``check`` hooks of :func:`specjax.models.drafts.load.load_draft`)."""
-    from specjax.models.drafts.load import load_draft as _load
+    from specjax.models.drafts.load import load_draft as _load  # heavy: flax and the draft modules
 
     mesh = _mesh(mesh)
     rules = as_rules(rules)
@@ -216,8 +213,6 @@ def load_draft(path: str | os.PathLike, target: Any = None, mesh=None, *,
 def restore_orbax(path: str | os.PathLike, mesh=None, *, rules: "PartitionRules | Iterable" = DRAFT_RULES):
     """``bridge.restore_orbax`` with each leaf restored straight into its rule's sharding (Orbax
     reads only the slices of this process's devices). Returns ``(config, tree, metadata)``."""
-    import bridge
-
     return bridge.restore_orbax(path, sharding=sharding_fn(_orbax_shapes(path), rules, mesh))
 
 

@@ -44,6 +44,7 @@ from specjax.train import algorithms
 from specjax.train.algorithms import SPECULATOR_TYPES
 from specjax.train.errors import RecipeError
 from specjax.train.losses import parse_loss_spec
+from specjax.train.prompts import parse_hf_spec
 
 
 class _Section(BaseModel):
@@ -80,8 +81,6 @@ class PrepareArgs(_Section):
             if len(n) > 1 or (n and n[0] and not n[0].isdigit()):
                 raise ValueError(f"{v!r}: expected builtin:<set>[:<n>] with a positive integer n")
         elif v.startswith("hf:"):
-            from specjax.train.prompts import parse_hf_spec
-
             parse_hf_spec(v)
         return v
 

@@ -21,6 +21,10 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.drafts.common import d2t_of
+from specjax.train.fast_eagle3 import ttt_forward
+from specjax.train.selfdistill import generate_with_hidden_states
+
 
 @dataclass
 class AcceptanceReport:
@@ -38,8 +42,6 @@ class AcceptanceReport:
 
 def _accept_lengths(draft, hs, ids, k: int, d2t):
     """hs [T, L, H] (aux layers then the last), ids [T] -> A [T-1]: leading correct steps per row."""
-    from specjax.train.fast_eagle3 import ttt_forward
-
     T = ids.shape[0]
     aux = hs[:, :-1].reshape(T, -1)
     x = jnp.asarray(aux[:-1][None], jnp.float32)
@@ -72,9 +74,6 @@ def evaluate_acceptance(draft, target, prompts: Sequence[Sequence[int]], *, aux_
                         progress: bool = False) -> AcceptanceReport:
     """``draft``: an ``Eagle3Draft`` module; ``target``: a ``LoadedTarget``; prompts: token ids;
     ``aux_layer_ids``: the draft's ``eagle_aux_hidden_state_layer_ids``."""
-    from specjax.models.drafts.common import d2t_of
-    from specjax.train.selfdistill import generate_with_hidden_states
-
     n = target.config.num_hidden_layers
     aux = [int(i) for i in aux_layer_ids]
     eos = target.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)

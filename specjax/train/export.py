@@ -32,9 +32,11 @@ from bridge.errors import WriteError
 from bridge.hf_values import rope_parameters
 from bridge.layout import path_to_flat, to_torch
 from specjax import storage
+from specjax.models.drafts.common import VocabBuffer
 from specjax.models.drafts.load import build_draft, module_from_flat
 from specjax.models.drafts.registry import draft_class
 from specjax.models.drafts.verifier_weights import VerifierSource, fill_verifier_weights
+from specjax.train.errors import TrainError
 
 KNOWN_VERIFIERS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
@@ -129,8 +131,6 @@ def speculators_config(algo: str, *, layer: dict, draft_vocab_size: int, aux_lay
 
 def model_flat(model) -> dict[str, np.ndarray]:
     """Every param and vocab buffer of a draft module in PyTorch layout (numpy)."""
-    from specjax.models.drafts.common import VocabBuffer
-
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, VocabBuffer))):
         val = var.get_value() if hasattr(var, "get_value") else var.value
@@ -201,8 +201,6 @@ def export_draft(out: str | os.PathLike, model, config_doc: dict, *, export_dtyp
     if audit:
         rep = bridge.audit(path)
         if rep.errors:
-            from specjax.train.errors import TrainError
-
             raise TrainError("the exported checkpoint fails the audit: " + "; ".join(
                 f"[{f.rule}] {f.message}" for f in rep.errors[:5]), path=str(path))
     return Path(path)

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+from bridge.external.mtp_native import fuse_experts, remap
+from bridge.external.source import open_source
 from bridge.layout import path_to_flat, to_torch
 from specjax.train.errors import TrainError
 
@@ -35,9 +37,6 @@ def _check_shapes(flat: dict, new: dict, where: str):
 
 def native_weights(target) -> dict[str, np.ndarray]:
     """``mtp.*`` tensors of the target checkpoint, renamed to ``mtp_layers.0.*``."""
-    from bridge.external.mtp_native import fuse_experts, remap
-    from bridge.external.source import open_source
-
     src = str(getattr(target, "source", "") or "")
     if getattr(target, "kind", "") not in ("hf_dir", "hf_cache") or not Path(src).is_dir():
         raise TrainError(f"mtp.init=native reads the target checkpoint's own mtp.* tensors, but the target "

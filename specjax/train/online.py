@@ -18,6 +18,7 @@ import numpy as np
 
 from specjax.decode.batch import bucket as round_up
 from specjax.processes import process_count
+from specjax.sharding import batch_divisor
 from specjax.train.errors import TrainError
 from specjax.train.hidden_states import make_tap_fn
 
@@ -27,8 +28,6 @@ class OnlineStates:
         if process_count() > 1:
             raise TrainError("data.online runs the target on each process's own rows; multi-process runs need the "
                              "hidden-state cache (data.online: false)", key="data.online")
-        from specjax.sharding import batch_divisor
-
         self.tap = make_tap_fn(model, layer_ids, out_dtype, mesh)
         self.rows = batch_divisor(mesh) if mesh is not None else 1  # the tap splits its batch over data x fsdp
         self.bucket = int(bucket)

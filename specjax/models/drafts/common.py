@@ -24,7 +24,7 @@ from flax import nnx
 from specjax.kernels import tpu as kt
 from specjax.kernels.tpu.decode import LANES
 from specjax.models import panels
-from specjax.models.drafts.spec import DecoderSpec
+from specjax.models.drafts.spec import DecoderSpec, DraftConfigError
 from specjax.models.drafts.verifier_weights import VerifierFill
 from specjax.models.layers import INIT_STD, Embed, RMSNorm, attend, dense, first_argmax
 from specjax.models.rope import apply_rope
@@ -198,8 +198,6 @@ def d2t_of(module):
 def verifier_targets(module, verifier_last_hidden_states):
     """``verifier_lm_head(verifier_norm(y))`` under stop_gradient: the training targets [.., Vd]."""
     if module.verifier_lm_head is None:
-        from specjax.models.drafts.spec import DraftConfigError
-
         raise DraftConfigError("this draft was built without verifier heads (verifier_heads=False), so it cannot "
                                "compute training targets; load it with verifier_heads=True", key="verifier_lm_head")
     y = jax.lax.stop_gradient(verifier_last_hidden_states)

@@ -26,6 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import bridge
+from bridge import layout
+from specjax import hub
 from specjax.models.drafts.registry import draft_class
 from specjax.models.drafts.verifier_weights import VerifierSource, fill_verifier_weights
 from specjax.models.drafts.vocab import check_mapping
@@ -83,8 +86,6 @@ def module_from_flat(config, flat: dict, *, dtype=None, where: str = "", verifie
     ``place``: see :data:`Place` (default: ``jnp.asarray`` after casting floats to ``dtype``);
     the vocab maps go through it too, as ``("t2d",)`` / ``("d2t",)``. ``check(module)`` runs
     on the abstract module before any tensor is read (e.g. a partition-rule check)."""
-    from bridge import layout
-
     flat = dict(flat)
     t2d, d2t = flat.pop("t2d", None), flat.pop("d2t", None)
     tree = layout.unflatten(flat, layout.TABLES[config.speculators_model_type], where=where)
@@ -124,9 +125,6 @@ def load_draft(path: str | os.PathLike, target: Any = None, *, dtype=None, audit
     ``bridge.open_checkpoint`` when the caller read it already (config.json and the headers are
     parsed once per load); ``verifier_checked``: the caller ran the compatibility check against
     ``target`` (``check_pair``), so the audit does not repeat it."""
-    import bridge
-    from specjax import hub
-
     path = hub.resolve(path, kind="draft", download=download)
     if opened is None:
         try:

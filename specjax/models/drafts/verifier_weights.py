@@ -38,8 +38,11 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from bridge.layout import path_to_flat
+from bridge.safetensors_io import open_tensors
 from specjax.models.drafts.vocab import select_rows
 from specjax.models.errors import ModelError
+from specjax.processes import to_host
 
 ALIASES: dict[str, list[str]] = {
     "embed_tokens.weight": ["tok_embeddings.weight", "llm.embed.weight", "backbone.embeddings.weight"],
@@ -152,8 +155,6 @@ class VerifierSource:
 
     @classmethod
     def from_dir(cls, directory) -> "VerifierSource":
-        from bridge.safetensors_io import open_tensors
-
         d = Path(directory)
         store = open_tensors(d)
         mt = None
@@ -166,8 +167,7 @@ class VerifierSource:
 
     @classmethod
     def from_module(cls, module) -> "VerifierSource":
-        from bridge.layout import path_to_flat
-        from specjax.models.params import param_paths
+        from specjax.models.params import param_paths  # heavy: flax (this module imports without it)
 
         table = {}
         for path, var in param_paths(module).items():
@@ -175,10 +175,8 @@ class VerifierSource:
             table[name] = (var, kind)
 
         def get(n):
-            from specjax.processes import to_host  # the full value, even of a multi-process array
-
             var, kind = table[n]
-            a = to_host(var.get_value())
+            a = to_host(var.get_value())  # the full value, even of a multi-process array
             return a.T if kind == "linear" else a
 
         family = getattr(getattr(module, "config", None), "family", None)
