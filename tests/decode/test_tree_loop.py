@@ -240,3 +240,36 @@ def test_stepwise_tree_drafting_equals_forced_chains(pair, tree):
     for x, y in zip(jax.tree_util.tree_leaves(ca), jax.tree_util.tree_leaves(cb)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert len(set(np.asarray(a.tokens)[:, 1:].ravel().tolist())) > 1  # a real tree of several tokens
+
+
+def test_cli_generate_with_a_tree(tmp_path):
+    """`specjax generate --draft self:1 --tree ...` prints the target-only tokens, a sampled tree
+    runs, and bad tree options fail with exit code 2 and a message naming the option (on a tiny
+    target: what is checked is the CLI's wiring; the loops' losslessness on SmolLM2 is
+    tests/decode/test_tree_smollm2.py)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+    from tests.sharding import tiny
+
+    target = tiny.write_target(tmp_path / "t", layers=2)
+    runner = CliRunner()
+    base = ["generate", "-t", str(target), "-p", "w5 w9 w17 w33 w4", "-n", "12", "--json"]
+    ref = json.loads(runner.invoke(app, base).stdout)["completions"][0]
+    r = runner.invoke(app, base + ["--draft", "self:1", "--tree", "[(0,), (1,), (0, 0)]"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["completions"][0]["token_ids"] == ref["token_ids"]
+    assert out["acceptance"]["k"] == 2
+    r = runner.invoke(app, base + ["--draft", "self:1", "--tree", "[(0,), (1,)]", "--temperature", "0.7",
+                                   "--draft-sampling", "sample"])  # i.i.d. sampled children
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)["completions"][0]
+    assert len(got["token_ids"]) == 12 or got["stop_reason"] == "eos", got
+    for extra, msg in ((["--tree", "[(0,), (2,)]", "--draft", "self:1"], "sibling (1,) is missing"),
+                       (["--tree", "[(0,)]"], "needs --draft"),
+                       (["--tree-topk", "2", "--draft", "self:1"], "--tree-topk, --tree-depth and --tree-nodes together")):
+        r = runner.invoke(app, base + extra)
+        assert r.exit_code == 2 and msg in r.output, (extra, r.output)

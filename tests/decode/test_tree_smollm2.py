@@ -1,6 +1,6 @@
 """The tree loop on the embedded SmolLM2-135M-Instruct with a self draft (its first 20 of 30 layers):
 greedy output token-identical to target-only for a static (vLLM's) and a dynamic tree, both
-committing drafted nodes."""
+committing drafted nodes. (The CLI's tree options: tests/decode/test_tree_loop.py, on a tiny target.)"""
 
 from __future__ import annotations
 
@@ -40,35 +40,3 @@ def test_smollm2_tree_loop_greedy_identical(smol, tree):
     total = res.stats.total
     print(f"SmolLM2 tree {tree}: accepted-nodes histogram {total.tolist()}, tau {res.stats.tau:.2f}")
     assert total[1:].sum() > 0 and total[2:].sum() > 0, total
-
-
-def test_cli_generate_with_a_tree(smol):
-    """`specjax generate --draft self:2 --tree ...` prints the target-only
-    tokens; bad tree options fail with exit code 2 and a message naming the option. (A 2-layer self
-    draft: what is checked is the CLI's wiring and losslessness, not acceptance; the loop tests
-    above use the 20-layer one.)"""
-    import json
-
-    from typer.testing import CliRunner
-
-    from specjax.cli import app
-
-    runner = CliRunner()
-    base = ["generate", "-p", PROMPTS[1], "-n", "12", "--json"]
-    ref = json.loads(runner.invoke(app, base).stdout)["completions"][0]["token_ids"]
-    # (the dynamic-tree options reach the same loop through the same parser: tests/decode/test_tree_auto.py's
-    # bench run, and the dynamic loop on SmolLM2 above)
-    r = runner.invoke(app, base + ["--draft", "self:2", "--tree", "[(0,), (1,), (0, 0)]"])
-    assert r.exit_code == 0, r.output
-    out = json.loads(r.stdout)
-    assert out["completions"][0]["token_ids"] == ref
-    assert out["acceptance"]["k"] == 2
-    r = runner.invoke(app, base + ["--draft", "self:2", "--tree", "[(0,), (1,)]", "--temperature", "0.7",
-                                   "--draft-sampling", "sample"])  # i.i.d. sampled children: runs, 12 tokens
-    assert r.exit_code == 0, r.output
-    assert len(json.loads(r.stdout)["completions"][0]["token_ids"]) == 12
-    for extra, msg in ((["--tree", "[(0,), (2,)]", "--draft", "self"], "sibling (1,) is missing"),
-                       (["--tree", "[(0,)]"], "needs --draft"),
-                       (["--tree-topk", "2", "--draft", "self"], "--tree-topk, --tree-depth and --tree-nodes together")):
-        r = runner.invoke(app, base + extra)
-        assert r.exit_code == 2 and msg in r.output, (extra, r.output)
