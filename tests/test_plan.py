@@ -25,8 +25,8 @@ RECIPE = ROOT / "configs" / "eagle3-llama3.1-8b-tpu.yaml"
 # size that compiles in seconds
 SMALL = ["draft.target_layer_ids=[0,1]", "loss.ttt_steps=1", "optimizer.optimizer=adamw", "data.total_seq_len=128"]
 LAYERS = {"num_hidden_layers": 2}
-KEYS = {"program", "topology", "compiled", "peak_gib", "hbm_gib", "fits", "flops", "bytes", "roofline_ms", "bound",
-        "tok_per_s", "compile_s"}
+KEYS = {"program", "topology", "compiled", "peak_gib", "hbm_gib", "fits", "flops", "bytes", "hbm_bytes", "roofline_ms",
+        "bound", "tok_per_s", "compile_s"}
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,8 @@ def _check_row(r, chip):
     assert r.error is None
     assert 0 < r.peak_gib < r.hbm_gib == chip.hbm_gib
     assert r.fits and 0 < r.headroom_pct < 100
-    assert r.flops > 0 and r.bytes > 0
-    tc, tm = r.flops / (chip.peak_tflops * 1e12), r.bytes / (chip.hbm_gbps * 1e9)
+    assert r.flops > 0 and r.bytes > 0 and 0 < r.hbm_bytes <= r.bytes  # HBM traffic: a part of XLA's count
+    tc, tm = r.flops / (chip.peak_tflops * 1e12), r.hbm_bytes / (chip.hbm_gbps * 1e9)
     assert r.bound == ("compute" if tc >= tm else "memory")
     assert r.roofline_ms == pytest.approx(max(tc, tm) * 1e3, rel=1e-3)
     assert r.tok_per_s == pytest.approx(r.tokens / max(tc, tm), rel=1e-3)
@@ -79,6 +79,11 @@ def test_v5e_programs_compile_and_fit(v5e):
         assert r.custom_calls.get("tpu_custom_call", 0) > 0, (r.program, r.custom_calls)
     # prefill writes the head-sharded cache shard by shard: no K/V all-gather in the generate program
     assert v5e["generate"].loop_collectives["all-gather"] == 0
+    # a decode step reads each weight from HBM once: its HBM traffic is at most its arguments (weights,
+    # cache, state; the embedding table is read one row at a time) and at least the layers' weights
+    g = v5e["generate"]
+    layer_bytes = 2 * 218_112_000 * 2 / 8  # 2 Llama-3.1-8B layers, bf16, over tensor=8
+    assert layer_bytes < g.hbm_bytes <= (g.argument_gib + g.output_gib) * 2**30, (g.hbm_bytes, g.argument_gib)
 
 
 def test_extract_attention_memory_does_not_grow_with_t_squared(cfg):

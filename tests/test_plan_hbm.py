@@ -1,0 +1,139 @@
+"""specjax.plan.hbm on hand-written optimised HLO (the shapes and layouts the TPU compiler prints):
+each rule of what crosses HBM, against the count worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from specjax.plan import hbm
+
+MB = 1 << 20
+
+# A decode-step shape: a [1024, 512] bf16 weight (1 MiB) prefetched into VMEM by two async slices and
+# concatenated on chip, a second weight read in place by a fusion, an embedding row gathered by a
+# fusion, a cache row written in place, and a copy of the cache back to HBM.
+STEP = """HloModule jit_step, entry_computation_layout={()}
+
+%fused_embed (param_0.1: bf16[4096,512], param_1.1: s32[]) -> bf16[1,512] {
+  %param_0.1 = bf16[4096,512]{1,0:T(8,128)(2,1)} parameter(0)
+  %param_1.1 = s32[]{:T(128)} parameter(1)
+  %constant.1 = s32[]{:T(128)} constant(0)
+  ROOT %dynamic-slice.1 = bf16[1,512]{1,0:T(2,128)(2,1)S(1)} dynamic-slice(%param_0.1, %param_1.1, %constant.1), dynamic_slice_sizes={1,512}
+}
+
+%fused_matvec (param_0.2: bf16[1024,512], param_1.2: bf16[512]) -> f32[1024] {
+  %param_0.2 = bf16[1024,512]{1,0:T(8,128)(2,1)} parameter(0)
+  %param_1.2 = bf16[512]{0:T(512)(128)(2,1)S(1)} parameter(1)
+  %broadcast.2 = bf16[1024,512]{1,0} broadcast(%param_1.2), dimensions={1}
+  %multiply.2 = bf16[1024,512]{1,0} multiply(%param_0.2, %broadcast.2)
+  %convert.2 = f32[1024,512]{1,0} convert(%multiply.2)
+  %constant.2 = f32[] constant(0)
+  ROOT %reduce.2 = f32[1024]{0:T(1024)S(1)} reduce(%convert.2, %constant.2), dimensions={1}, to_apply=%add
+}
+
+%fused_write (param_0.3: bf16[1,4096,128], param_1.3: bf16[1,1,128], param_2.3: s32[]) -> bf16[1,4096,128] {
+  %param_0.3 = bf16[1,4096,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %param_1.3 = bf16[1,1,128]{2,1,0:T(2,128)(2,1)S(1)} parameter(1)
+  %param_2.3 = s32[]{:T(128)} parameter(2)
+  %constant.3 = s32[]{:T(128)} constant(0)
+  ROOT %dynamic-update-slice.3 = bf16[1,4096,128]{2,1,0:T(8,128)(2,1)} dynamic-update-slice(%param_0.3, %param_1.3, %constant.3, %param_2.3, %constant.3)
+}
+
+%async_computation (param_0.4: bf16[1024,512]) -> bf16[512,512] {
+  %param_0.4 = bf16[1024,512]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %slice.4 = bf16[512,512]{1,0:T(8,128)(2,1)S(1)} slice(%param_0.4), slice={[0:512], [0:512]}
+}
+
+%async_computation.1 (param_0.5: bf16[1024,512]) -> bf16[512,512] {
+  %param_0.5 = bf16[1024,512]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %slice.5 = bf16[512,512]{1,0:T(8,128)(2,1)S(1)} slice(%param_0.5), slice={[512:1024], [0:512]}
+}
+
+ENTRY %main (w.1: bf16[1024,512], w.2: bf16[1024,512], emb: bf16[4096,512], cache: bf16[1,4096,128], pos: s32[]) -> bf16[1,4096,128] {
+  %w.1 = bf16[1024,512]{1,0:T(8,128)(2,1)} parameter(0)
+  %w.2 = bf16[1024,512]{1,0:T(8,128)(2,1)} parameter(1)
+  %emb = bf16[4096,512]{1,0:T(8,128)(2,1)} parameter(2)
+  %cache = bf16[1,4096,128]{2,1,0:T(8,128)(2,1)} parameter(3)
+  %pos = s32[]{:T(128)} parameter(4)
+  %row = bf16[1,512]{1,0:T(2,128)(2,1)S(1)} fusion(%emb, %pos), kind=kLoop, calls=%fused_embed
+  %x = bf16[512]{0:T(512)(128)(2,1)S(1)} bitcast(%row)
+  %slice-start = ((bf16[1024,512]{1,0:T(8,128)(2,1)}), bf16[512,512]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) async-start(%w.1), calls=%async_computation
+  %slice-start.1 = ((bf16[1024,512]{1,0:T(8,128)(2,1)}), bf16[512,512]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) async-start(%w.1), calls=%async_computation.1
+  %slice-done = bf16[512,512]{1,0:T(8,128)(2,1)S(1)} async-done(%slice-start)
+  %slice-done.1 = bf16[512,512]{1,0:T(8,128)(2,1)S(1)} async-done(%slice-start.1)
+  %w.1v = bf16[1024,512]{1,0:T(8,128)(2,1)S(1)} custom-call(%slice-done, %slice-done.1), custom_call_target="ConcatBitcast"
+  %h.1 = f32[1024]{0:T(1024)S(1)} fusion(%w.1v, %x), kind=kLoop, calls=%fused_matvec
+  %h.2 = f32[1024]{0:T(1024)S(1)} fusion(%w.2, %x), kind=kLoop, calls=%fused_matvec
+  %k = bf16[1,1,128]{2,1,0:T(2,128)(2,1)S(1)} bitcast(%h.1)
+  %new = bf16[1,4096,128]{2,1,0:T(8,128)(2,1)} fusion(%cache, %k, %pos), kind=kLoop, calls=%fused_write
+  %copy-start = (bf16[1,4096,128]{2,1,0:T(8,128)(2,1)}, bf16[1,4096,128]{2,1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%h.2)
+  %copy-done = bf16[1,4096,128]{2,1,0:T(8,128)(2,1)} copy-done(%copy-start)
+  ROOT %t = (bf16[1,4096,128]{2,1,0:T(8,128)(2,1)}) tuple(%new)
+}
+"""
+
+
+def test_arrays_and_memory_spaces():
+    assert hbm.arrays("bf16[1024,512]{1,0:T(8,128)(2,1)}") == [(1 * MB, 0)]
+    assert hbm.arrays("f32[64]{0:T(128)S(1)}") == [(256, 1)]
+    tup = "((bf16[8,8]{1,0}), bf16[4,8]{1,0:S(1)}, s32[]{:S(2)})"
+    assert hbm.arrays(tup) == [(128, 0), (64, 1), (4, 2)] and hbm.in_hbm(tup) == 128
+
+
+def test_parse_reads_computations_parameters_and_operands():
+    comps = hbm.parse(STEP)
+    entry = [c for c in comps.values() if c.entry]
+    assert len(entry) == 1 and entry[0].name == "main" and len(entry[0].params) == 5
+    fused = comps["fused_write"]
+    assert fused.params == {0: "param_0.3", 1: "param_1.3", 2: "param_2.3"}
+    root = fused.insts[-1]
+    assert root.op == "dynamic-update-slice" and root.operands[:2] == ["param_0.3", "param_1.3"]
+    start = entry[0].by_name()["slice-start"]
+    assert start.op == "async-start" and start.operands == ["w.1"]
+
+
+def test_each_weight_once_one_embedding_row_and_in_place_writes():
+    want = (
+        1 * MB        # w.1 through two async slices into VMEM (each reads its half once)
+        + 0           # ConcatBitcast and the fusion read VMEM
+        + 1 * MB      # w.2 read in place by its fusion
+        + 512 * 2     # the embedding: one row, not the 4 MiB table
+        + 128 * 2     # the cache row written in place (the 1 MiB cache is not read or rewritten)
+        + 1 * MB      # the copy of a VMEM value to HBM: the destination written
+        + 2 * 4       # the position scalar (in HBM), read by the two fusions that take it
+    )
+    assert hbm.hbm_bytes(STEP) == pytest.approx(want)
+
+
+def test_a_while_body_counts_once_and_a_missing_entry_is_an_error():
+    loop = """HloModule m
+
+%body (p: (s32[], f32[256])) -> (s32[], f32[256]) {
+  %p = (s32[], f32[256]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %v = f32[256]{0} get-tuple-element(%p), index=1
+  %n = f32[256]{0} negate(%v)
+  ROOT %t = (s32[], f32[256]{0}) tuple(%i, %n)
+}
+
+%cond (p.1: (s32[], f32[256])) -> pred[] {
+  %p.1 = (s32[], f32[256]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: (s32[], f32[256])) -> (s32[], f32[256]) {
+  %a = (s32[], f32[256]{0}) parameter(0)
+  ROOT %w = (s32[], f32[256]{0}) while(%a), condition=%cond, body=%body
+}
+"""
+    assert hbm.hbm_bytes(loop) == 2 * 256 * 4  # the negate's read and write, once
+    with pytest.raises(ValueError, match="no ENTRY"):
+        hbm.hbm_bytes(loop.replace("ENTRY ", ""))
+
+
+def test_slice_start_reads_its_slice_as_async_start_does():
+    """The same prefetch printed as ``slice-start`` (another libtpu's spelling) counts the same."""
+    alt = STEP.replace("async-start(%w.1), calls=%async_computation.1", "slice-start(%w.1), slice={[512:1024], [0:512]}")
+    alt = alt.replace("async-start(%w.1), calls=%async_computation", "slice-start(%w.1), slice={[0:512], [0:512]}")
+    assert alt.count("slice-start(") == 2
+    assert hbm.hbm_bytes(alt) == hbm.hbm_bytes(STEP)
