@@ -21,6 +21,37 @@ def pytest_configure(config):
         pass
 
 
+# The longest test files (each 1-3.5 min on the 2-core CI machine), run first: the two xdist workers
+# (--dist loadfile) take files in collection order, so the short files fill in at the end instead of
+# one worker finishing a long file alone while the other idles.
+SLOW_FIRST = (
+    "tests/notebooks/test_03_train_eagle3_draft.py",
+    "tests/notebooks/test_02_speculative_decoding.py",
+    "tests/sharding/test_spec_mesh.py",
+    "tests/decode/test_tree_smollm2.py",
+    "tests/train/test_smollm2_e2e.py",
+    "tests/test_plan.py",
+    "tests/decode/test_tree_loop.py",
+    "tests/sharding/test_mesh8.py",
+    "tests/notebooks/test_01_convert_and_audit.py",
+    "tests/models/test_smollm2.py",
+)
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {p: i for i, p in enumerate(SLOW_FIRST)}
+
+    def key(item):
+        try:
+            rel = Path(str(item.fspath)).resolve().relative_to(_ROOT).as_posix()
+        except ValueError:
+            return len(rank)
+        return rank.get(rel, len(rank))
+
+    items.sort(key=key)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def spec_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("spec")
