@@ -137,3 +137,25 @@ def test_slice_start_reads_its_slice_as_async_start_does():
     alt = alt.replace("async-start(%w.1), calls=%async_computation", "slice-start(%w.1), slice={[0:512], [0:512]}")
     assert alt.count("slice-start(") == 2
     assert hbm.hbm_bytes(alt) == hbm.hbm_bytes(STEP)
+
+
+def test_a_fused_cache_scatter_writes_its_rows_in_place():
+    """A batched KV-cache write (a scatter into the cache parameter, as the B=8 decode step does):
+    the new rows are written; the 8 MiB cache is neither read nor rewritten."""
+    hlo = """HloModule m
+
+%fused_scatter (param_0: bf16[8,4096,128], param_1: s32[8,1], param_2: bf16[8,1,128]) -> bf16[8,4096,128] {
+  %param_0 = bf16[8,4096,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %param_1 = s32[8,1]{1,0:T(8,128)S(1)} parameter(1)
+  %param_2 = bf16[8,1,128]{2,1,0:T(8,128)(2,1)S(1)} parameter(2)
+  ROOT %scatter.1 = bf16[8,4096,128]{2,1,0:T(8,128)(2,1)} scatter(%param_0, %param_1, %param_2), update_window_dims={1,2}, inserted_window_dims={}, scatter_dims_to_operand_dims={1}, index_vector_dim=1, to_apply=%assign
+}
+
+ENTRY %main (cache: bf16[8,4096,128], idx: s32[8,1], rows: bf16[8,1,128]) -> bf16[8,4096,128] {
+  %cache = bf16[8,4096,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %idx = s32[8,1]{1,0:T(8,128)S(1)} parameter(1)
+  %rows = bf16[8,1,128]{2,1,0:T(8,128)(2,1)S(1)} parameter(2)
+  ROOT %new = bf16[8,4096,128]{2,1,0:T(8,128)(2,1)} fusion(%cache, %idx, %rows), kind=kLoop, calls=%fused_scatter
+}
+"""
+    assert hbm.hbm_bytes(hlo) == 8 * 128 * 2

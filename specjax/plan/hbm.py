@@ -14,8 +14,10 @@ memory space (``S(n)``, n > 0, is on-chip: VMEM, SMEM, semaphores). Per instruct
 * a fusion reads, of each HBM operand, what its fused computation takes from it: the whole
   operand, or only the outputs of the ``dynamic-slice`` / ``slice`` / ``gather`` that are its
   only users (an embedding lookup reads one row, not the table); a fused
-  ``dynamic-update-slice`` of a parameter writes only its update (in place);
-* a ``dynamic-update-slice`` writes its update, in place; an asynchronous slice (``async-start``
+  ``dynamic-update-slice`` or ``scatter`` into a parameter writes only its update (in place: a
+  KV-cache write touches the new rows, not the cache);
+* a ``dynamic-update-slice`` or ``scatter`` writes its update, in place (its indices and update
+  are read); an asynchronous slice (``async-start``
   calling a ``slice``, or ``slice-start``: its shape is ``((operands), destination, context)``)
   reads the slice; ``copy-start`` and ``copy`` read the source and write the destination;
 * ``bitcast``, tuples, ``get-tuple-element``, parameters, constants and the ``*-done`` halves of
@@ -41,6 +43,7 @@ _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%([^\s(]+)\s*\(")
 _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
                "replica-id", "iota", "opt-barrier", "add-dependency"}
 _PARTIAL_READS = {"dynamic-slice", "slice", "gather"}
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # op -> operand index of the update written
 
 
 @dataclass
@@ -162,7 +165,7 @@ def _fusion_reads(inst: Inst, fused: Computation | None, shapes: dict[str, str])
         us = users.get(pname, []) if pname else []
         if us and all(u.op in _PARTIAL_READS and u.operands[0] == pname for u in us):
             total += sum(sum(b for b, _ in arrays(u.shape)) for u in us)
-        elif us and all(u.op == "dynamic-update-slice" and u.operands[0] == pname for u in us):
+        elif us and all(u.op in _IN_PLACE and u.operands[0] == pname for u in us):
             continue  # updated in place: the write is counted, the rest is not read
         else:
             total += full
@@ -174,8 +177,8 @@ def _fusion_writes(inst: Inst, fused: Computation | None) -> float:
     if fused is None or not out:
         return out
     root = fused.insts[-1] if fused.insts else None  # the ROOT is the last instruction printed
-    if root is not None and root.op == "dynamic-update-slice" and root.operands[0] in fused.params.values():
-        upd = fused.by_name().get(root.operands[1])
+    if root is not None and root.op in _IN_PLACE and root.operands[0] in fused.params.values():
+        upd = fused.by_name().get(root.operands[_IN_PLACE[root.op]])
         return sum(b for b, _ in arrays(upd.shape)) if upd is not None else out
     return out
 
@@ -202,10 +205,11 @@ def _count(comp: Computation, comps: dict[str, Computation], shapes: dict[str, s
             fused = comps.get(_called(inst, "calls") or "")
             total += _fusion_reads(inst, fused, shapes) + _fusion_writes(inst, fused)
             continue
-        if op == "dynamic-update-slice":
-            upd = arrays(shapes.get(inst.operands[1], ""))
+        if op in _IN_PLACE:
+            j = _IN_PLACE[op]
+            upd = arrays(shapes.get(inst.operands[j], ""))
             total += sum(b for b, _ in upd) if in_hbm(inst.shape) else 0.0
-            total += sum(in_hbm(shapes.get(o, "")) for o in inst.operands[1:2])
+            total += sum(in_hbm(shapes.get(o, "")) for o in inst.operands[1:] if o != inst.operands[0])
             continue
         if op == "async-start" or (op.endswith("-start") and inst.shape.startswith("((")):
             parts = arrays(inst.shape)  # ((operands...), destination, context)
