@@ -1,0 +1,64 @@
+"""HBM traffic of the Llama-3.1-8B decode programs on a TPU slice, compiled deviceless (libtpu).
+
+Compiles each decode program (one generate step, one k=3 speculative round) at two target depths,
+reads ``hbm_bytes`` (specjax/plan/hbm.py) and XLA's ``bytes accessed``, and extrapolates linearly to
+the full depth (the layers are identical programs). Prints one JSON line: per program the bytes
+per chip, their ratio to the floor (weights + KV cache per chip) and the roofline.
+
+    TPU_ACCELERATOR_TYPE=v5litepod-8 python benchmarks/plan_hbm.py [--topology v5e:2x4]
+
+About 10 minutes on a 2-core host (8 compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specjax.models.config import TargetConfig
+from specjax.models.presets import target_config_for
+from specjax.plan import plan
+from specjax.plan.topology import chip_of
+from specjax.train.config import load_recipe
+
+RECIPE = "configs/eagle3-llama3.1-8b-tpu.yaml"
+
+
+def floor_bytes(cfg: TargetConfig, batch: int, slots: int, tensor: int) -> float:
+    """bf16 weights read by a decode step (layers + lm_head, split over ``tensor``) + the KV cache."""
+    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    q = cfg.num_attention_heads * cfg.head_dim
+    layer = H * q * 2 + H * kv * 2 + 3 * H * I
+    weights = (L * layer + cfg.vocab_size * H) * 2 / tensor
+    cache = L * 2 * batch * slots * kv * 2 / tensor
+    return weights + cache
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--topology", default="v5e:2x4")
+    args = ap.parse_args()
+    cfg = load_recipe(RECIPE)
+    tc = target_config_for(cfg.target)
+    chip = chip_of(args.topology)
+    out = {"topology": args.topology, "target": str(cfg.target), "layers": tc.num_hidden_layers}
+    for prog, depths in (("generate", (2, 4)), ("speculate", (4, 6))):
+        for B in (1, 8):
+            rows = [plan(cfg, args.topology, programs=prog, batch=B, target_overrides={"num_hidden_layers": d})[0]
+                    for d in depths]
+            (a, ra), (b, rb) = zip(depths, rows)
+            ext = lambda f: f(ra) + (tc.num_hidden_layers - a) * (f(rb) - f(ra)) / (b - a)  # noqa: E731
+            hbm, xla, flops = ext(lambda r: r.hbm_bytes), ext(lambda r: r.bytes), ext(lambda r: r.flops)
+            slots = int(ra.shape.get("cache_slots", 4096))
+            fl = floor_bytes(tc, B, slots, 8)
+            t = max(hbm / (chip.hbm_gbps * 1e9), flops / (chip.peak_tflops * 1e12))
+            out[f"{prog}_b{B}"] = {"hbm_gb": round(hbm / 1e9, 3), "xla_gb": round(xla / 1e9, 3),
+                                   "floor_gb": round(fl / 1e9, 3), "hbm_over_floor": round(hbm / fl, 3),
+                                   "xla_over_hbm": round(xla / hbm, 2), "roofline_ms": round(t * 1e3, 3),
+                                   "tok_per_s": round(ra.tokens / t, 1)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
