@@ -205,19 +205,30 @@ def publish(local_dir, url, *, markers=(), overwrite: bool = False, progress: bo
     old = files(dst) if dst.is_dir() else []
     if old and not overwrite:
         raise WriteError("destination exists; pass --overwrite (overwrite=True) to replace it", path=os.fspath(url))
-    for m in markers:
-        if m in old:
-            (dst / m).unlink()  # from here on a reader sees the directory as incomplete
     new = files(local_dir, hidden=False)
-    _transfer([(local_dir / n, dst / n) for n in new if n not in markers], progress=progress,
-              desc=f"uploading to {os.fspath(url)}")
-    for n in sorted(set(old) - set(new) - set(markers)):
+    _send(local_dir, url, new, markers, drop=[m for m in markers if m in old],
+          stale=sorted(set(old) - set(new) - set(markers)), progress=progress)
+
+
+def _send(local_dir: Path, url, names: list, markers, *, drop, stale=(), progress: bool) -> list[str]:
+    """Upload ``names`` (relative to ``local_dir``) to ``url`` so that a reader never takes a
+    half-written directory for a complete one: the remote markers ``drop`` deleted first, the other
+    files uploaded, ``stale`` remote files removed, the markers among ``names`` uploaded last (in
+    ``markers``' order). A cache directory is then recorded as staged from ``url``. Returns the
+    names in upload order."""
+    dst = path(url)
+    for m in drop:
+        (dst / m).unlink()  # from here on a reader sees the directory as incomplete
+    body = [n for n in names if n not in markers]
+    _transfer([(local_dir / n, dst / n) for n in body], progress=progress, desc=f"uploading to {os.fspath(url)}")
+    for n in stale:
         (dst / n).unlink()
-    for m in markers:
-        if m in new:
-            _copy(local_dir / m, dst / m)
+    marks = [m for m in markers if m in names]
+    for m in marks:
+        _copy(local_dir / m, dst / m)
     if local_dir.resolve() == cache_dir(url).resolve():
         write_text(local_dir / SOURCE_NAME, json.dumps({"url": os.fspath(url), "markers": _stamp(local_dir, markers)}))
+    return body + marks
 
 
 def signatures(root) -> dict[str, tuple[int, int]]:
@@ -239,17 +250,8 @@ def push_changed(local_dir, url, before: dict, *, markers=(), progress: bool = T
     local_dir, dst = Path(local_dir), path(url)
     now = signatures(local_dir)
     changed = [n for n, sig in now.items() if before.get(n) != sig]
-    marks = [m for m in markers if m in changed]
-    for m in marks:
-        if (dst / m).exists():
-            (dst / m).unlink()
-    _transfer([(local_dir / n, dst / n) for n in changed if n not in marks], progress=progress,
-              desc=f"uploading to {os.fspath(url)}")
-    for m in marks:
-        _copy(local_dir / m, dst / m)
-    if local_dir.resolve() == cache_dir(url).resolve():
-        write_text(local_dir / SOURCE_NAME, json.dumps({"url": os.fspath(url), "markers": _stamp(local_dir, markers)}))
-    return [n for n in changed if n not in marks] + marks
+    drop = [m for m in markers if m in changed and (dst / m).exists()]
+    return _send(local_dir, url, changed, markers, drop=drop, progress=progress)
 
 
 def scratch_dir() -> tempfile.TemporaryDirectory:
