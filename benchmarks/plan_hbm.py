@@ -15,8 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 from specjax.models.config import TargetConfig
 from specjax.models.presets import target_config_for
+from specjax.models.target import KVCache, build_model
 from specjax.plan import plan
 from specjax.plan.topology import chip_of
 from specjax.train.config import load_recipe
@@ -25,14 +30,15 @@ RECIPE = "configs/eagle3-llama3.1-8b-tpu.yaml"
 
 
 def floor_bytes(cfg: TargetConfig, batch: int, slots: int, tensor: int) -> float:
-    """bf16 weights read by a decode step (layers + lm_head, split over ``tensor``) + the KV cache."""
-    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    q = cfg.num_attention_heads * cfg.head_dim
-    layer = H * q * 2 + H * kv * 2 + 3 * H * I
-    weights = (L * layer + cfg.vocab_size * H) * 2 / tensor
-    cache = L * 2 * batch * slots * kv * 2 / tensor
-    return weights + cache
+    """What one decode step must read per chip: the target's bf16 params (the model's own, abstract)
+    without the embedding table (a step reads one row of it), plus the KV cache, split over
+    ``tensor`` (the small replicated norms counted split too)."""
+    state = nnx.state(build_model(cfg, param_dtype=jnp.bfloat16, abstract=True))
+    weights = sum(x.size * x.dtype.itemsize for kp, x in jax.tree_util.tree_flatten_with_path(state)[0]
+                  if "embed_tokens" not in jax.tree_util.keystr(kp))
+    cache = jax.eval_shape(lambda: KVCache.init(cfg, batch, slots, jnp.bfloat16))
+    kv = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))
+    return (weights + kv) / tensor
 
 
 def main() -> None:

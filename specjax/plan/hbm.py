@@ -21,7 +21,8 @@ memory space (``S(n)``, n > 0, is on-chip: VMEM, SMEM, semaphores). Per instruct
   calling a ``slice``, or ``slice-start``: its shape is ``((operands), destination, context)``)
   reads the slice; ``copy-start`` and ``copy`` read the source and write the destination;
 * ``bitcast``, tuples, ``get-tuple-element``, parameters, constants and the ``*-done`` halves of
-  async pairs move nothing; a ``while`` counts its body once (as ``cost_analysis`` does);
+  async pairs move nothing; a ``while`` counts its body once (as ``cost_analysis`` does), a
+  ``call`` its callee, a ``conditional`` every branch (an upper bound);
 * a Mosaic kernel (``tpu_custom_call``) is charged its whole HBM operands and results: an upper
   bound (the decode attention kernel reads only the visible cache blocks).
 
