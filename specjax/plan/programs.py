@@ -152,7 +152,8 @@ def train_program(p: PlanInputs) -> Program:
                             muon_momentum=o.muon_momentum, muon_weight_decay=o.muon_weight_decay,
                             muon_ns_steps=o.muon_ns_steps, muon_adjust_lr_fn=o.muon_adjust_lr_fn,
                             scheduler_type=cfg.scheduler.scheduler_type, warmup=10, total=1000,
-                            num_cycles=cfg.scheduler.scheduler_num_cosine_cycles, max_grad_norm=o.max_grad_norm)
+                            num_cycles=cfg.scheduler.scheduler_num_cosine_cycles, max_grad_norm=o.max_grad_norm,
+                            mesh=mesh)
     sh = step_shardings(params, frozen, tx, mesh)
     params_a = shd.abstract_with_shardings(params, sh.params)
     frozen_a = shd.abstract_with_shardings(frozen, sh.frozen)

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 ADAMW_NAME_HINTS = ("embed_tokens", "lm_head", "codebook", "markov_w1", "markov_w2")
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -67,17 +68,51 @@ def clip_like_torch(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-def _newton_schulz(g, steps: int, eps: float = 1e-7):
+def ns_axes(mesh, n: int) -> tuple:
+    """The mesh axes a Newton-Schulz iterate ``[short, long]`` is split over along ``long``:
+    every axis of size > 1, dropped from the last while their product does not divide ``n``."""
+    if mesh is None:
+        return ()
+    axes = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+    while axes and n % math.prod(mesh.shape[a] for a in axes):
+        axes.pop()
+    return tuple(axes)
+
+
+def _newton_schulz(g, steps: int, eps: float = 1e-7, mesh=None):
+    """Orthogonalise ``g`` (torch orientation) as torch's ``zeropower_via_newtonschulz``, in bf16.
+
+    With a ``mesh`` the iterate is split along its long dimension over the mesh (``ns_axes``):
+    ``X X^T`` is a local partial product summed across chips (accumulated and summed in f32,
+    rounded to bf16 once, as one chip's dot), ``G @ G`` is computed by rows, and ``(bG + cG^2) X``
+    stays local, so every chip does 1/N of the work instead of all of it. Without a mesh (or
+    when no axis divides the long dimension) nothing is constrained."""
     a, b, c = NS_COEFFS
     x = g.astype(jnp.bfloat16)
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
+    axes = ns_axes(mesh, x.shape[1])
+    if axes:
+        def pin(v, spec):
+            return jax.lax.with_sharding_constraint(v, NamedSharding(mesh, spec))
+
+        wide, rows, rep = P(None, axes), P(ns_axes(mesh, x.shape[0]) or None, None), P()
+        if len(axes) > 1:  # a 2-D tiled param to one dim over several axes: gather, then slice
+            x = pin(x, rep)  # (what the partitioner would do anyway, with a warning)
+        x = pin(x, wide)
     x = x / jnp.maximum(jnp.linalg.norm(x.astype(jnp.float32)), eps).astype(jnp.bfloat16)
     for _ in range(steps):
-        gram = x @ x.T
-        upd = b * gram + c * (gram @ gram)
-        x = a * x + upd @ x
+        if axes:
+            gram = pin(jnp.matmul(x, x.T, preferred_element_type=jnp.float32), rep).astype(jnp.bfloat16)
+            upd = pin(b * gram + c * pin(gram @ gram, rows), rep)
+            x = pin(a * x + upd @ x, wide)
+        else:
+            gram = x @ x.T
+            upd = b * gram + c * (gram @ gram)
+            x = a * x + upd @ x
+    if len(axes) > 1:
+        x = pin(x, rep)
     return x.T if tall else x
 
 
@@ -87,8 +122,9 @@ class MuonState(NamedTuple):
 
 
 def torch_muon(lr: Callable, *, momentum: float = 0.95, weight_decay: float = 0.1, ns_steps: int = 5,
-               adjust_lr_fn: str = "match_rms_adamw", nesterov: bool = True) -> optax.GradientTransformation:
-    """torch.optim.Muon on Flax kernels (``[in, out]`` = torch ``[out, in]`` transposed)."""
+               adjust_lr_fn: str = "match_rms_adamw", nesterov: bool = True, mesh=None) -> optax.GradientTransformation:
+    """torch.optim.Muon on Flax kernels (``[in, out]`` = torch ``[out, in]`` transposed); ``mesh``:
+    the mesh the step is compiled for, to split Newton-Schulz over (see ``_newton_schulz``)."""
 
     def init(params):
         return MuonState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
@@ -99,7 +135,7 @@ def torch_muon(lr: Callable, *, momentum: float = 0.95, weight_decay: float = 0.
         def one(g, buf, p):
             buf = buf + (g - buf) * (1.0 - momentum)
             u = g + (buf - g) * momentum if nesterov else buf
-            o = _newton_schulz(u.T, ns_steps).T.astype(p.dtype)  # orthogonalise in torch orientation
+            o = _newton_schulz(u.T, ns_steps, mesh=mesh).T.astype(p.dtype)  # orthogonalise in torch orientation
             A, B = p.shape[1], p.shape[0]  # torch [out, in]
             adj = 0.2 * math.sqrt(max(A, B)) if adjust_lr_fn == "match_rms_adamw" else math.sqrt(max(1.0, A / B))
             step = -(lr_t * weight_decay) * p - (lr_t * adj) * o
@@ -136,8 +172,9 @@ def labels_for(params) -> object:
 
 def build_optimizer(params, *, optimizer: str, lr: float, weight_decay: float, muon_lr: float, muon_momentum: float,
                     muon_weight_decay: float, muon_ns_steps: int, muon_adjust_lr_fn: str, scheduler_type: str,
-                    warmup: int, total: int, num_cycles: float = 0.5, max_grad_norm: float = 1.0):
-    """-> (optax transformation, {"adamw": lr_fn, "muon": lr_fn}) for the trainable ``params`` tree."""
+                    warmup: int, total: int, num_cycles: float = 0.5, max_grad_norm: float = 1.0, mesh=None):
+    """-> (optax transformation, {"adamw": lr_fn, "muon": lr_fn}) for the trainable ``params`` tree;
+    ``mesh``: the mesh the train step is compiled for (Muon splits its Newton-Schulz over it)."""
     mult = lr_lambda(scheduler_type, warmup, total, num_cycles)
     adam_lr = lambda c: lr * mult(c)  # noqa: E731
     muon_lr_fn = lambda c: muon_lr * mult(c)  # noqa: E731
@@ -147,6 +184,6 @@ def build_optimizer(params, *, optimizer: str, lr: float, weight_decay: float, m
         return tx, {"adamw": adam_lr}
     labels = labels_for(params)
     muon = torch_muon(muon_lr_fn, momentum=muon_momentum, weight_decay=muon_weight_decay, ns_steps=muon_ns_steps,
-                      adjust_lr_fn=muon_adjust_lr_fn)
+                      adjust_lr_fn=muon_adjust_lr_fn, mesh=mesh)
     tx = optax.chain(clip_like_torch(max_grad_norm), optax.multi_transform({"adamw": adamw, "muon": muon}, labels))
     return tx, {"adamw": adam_lr, "muon": muon_lr_fn}
