@@ -289,6 +289,12 @@ def test_compiles_for_tpu_and_temp_does_not_grow_with_t_squared(topology, record
 
     c = jax.jit(verify).lower(qd, cache, cache, pos).compile()
     assert "tpu_custom_call" in c.as_text()
+    # the kernel's CostEstimate: XLA charges the call its upper bound (this chip's K and V slices
+    # whole, every query row against every slot) instead of nothing
+    kv_chip = 2 * B * (Hkv // 8) * S * D * 2
+    cost = c.cost_analysis()
+    assert cost["bytes accessed"] >= kv_chip, cost["bytes accessed"]
+    assert cost["flops"] >= 4 * B * kq * (Hq // 8) * S * D, cost["flops"]
     print(f"{topology} verify B={B} k={kq} S={S} temp per chip: {c.memory_analysis().temp_size_in_bytes / 2**20:.2f} MiB")
 
 
