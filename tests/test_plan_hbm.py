@@ -159,3 +159,24 @@ ENTRY %main (cache: bf16[8,4096,128], idx: s32[8,1], rows: bf16[8,1,128]) -> bf1
 }
 """
     assert hbm.hbm_bytes(hlo) == 8 * 128 * 2
+
+
+def test_an_instruction_spanning_lines_ends_no_computation():
+    """A Mosaic kernel's ``frontend_attributes`` carry multi-line JSON whose lines start with ``}``
+    (splash attention's ``kernel_metadata``): the instructions after it still count."""
+    kernel = """HloModule m
+
+ENTRY %main (a: f32[256], b: f32[256]) -> f32[256] {
+  %a = f32[256]{0} parameter(0)
+  %b = f32[256]{0} parameter(1)
+  %k = f32[256]{0} custom-call(%a), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 512, \\"note\\": \\"a } and a { in a string\\"}"
+}}, metadata={op_name="pallas_call"}
+  %n = f32[256]{0} negate(%b)
+  ROOT %s = f32[256]{0} add(%k, %n)
+}
+"""
+    comps = hbm.parse(kernel)
+    assert [i.name for i in comps["main"].insts] == ["a", "b", "k", "n", "s"]
+    assert comps["main"].by_name()["k"].op == "custom-call"
+    assert hbm.hbm_bytes(kernel) == 1024 * (2 + 2 + 3)  # kernel, negate: read + write; add: two reads + write

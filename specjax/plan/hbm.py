@@ -120,11 +120,42 @@ def _parse_inst(line: str) -> Inst | None:
     return Inst(name, shape, m.group(1), operands, rest[end:], rest[m.end():end - 1])
 
 
+def _depth(text: str, depth: int = 0) -> int:
+    """Bracket depth after ``text`` (starting at ``depth``), brackets inside quoted strings skipped."""
+    quoted = escaped = False
+    for c in text:
+        if quoted:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                quoted = False
+        elif c == '"':
+            quoted = True
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+    return depth
+
+
 def parse(hlo: str) -> dict[str, Computation]:
-    """The computations of an HLO module's text, by name."""
+    """The computations of an HLO module's text, by name. An instruction may span lines (a Mosaic
+    kernel's ``frontend_attributes`` carry multi-line JSON): lines are joined until its brackets
+    close, so only a bare ``}`` ends a computation."""
     comps: dict[str, Computation] = {}
     cur = None
+    pending, depth = "", 0
     for line in hlo.splitlines():
+        if pending:
+            pending, depth = pending + "\n" + line, _depth(line, depth)
+            if depth > 0:
+                continue
+            line, pending = pending, ""
+        elif cur is not None and line.strip() != "}" and _depth(line) > 0:
+            pending, depth = line, _depth(line)
+            continue
         head = _COMP_HEAD.match(line)
         if head and line.rstrip().endswith("{"):
             cur = Computation(head.group(2), bool(head.group(1)))
@@ -132,7 +163,7 @@ def parse(hlo: str) -> dict[str, Computation]:
             continue
         if cur is None:
             continue
-        if line.startswith("}"):
+        if line.strip() == "}":
             cur = None
             continue
         inst = _parse_inst(line)
