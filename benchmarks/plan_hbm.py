@@ -5,7 +5,7 @@ reads ``hbm_bytes`` (specjax/plan/hbm.py) and XLA's ``bytes accessed``, and extr
 the full depth (the layers are identical programs). Prints one JSON line: per program the bytes
 per chip, their ratio to the floor (weights + KV cache per chip) and the roofline.
 
-    TPU_ACCELERATOR_TYPE=v5litepod-8 python benchmarks/plan_hbm.py [--topology v5e:2x4]
+    TPU_ACCELERATOR_TYPE=v5litepod-8 python benchmarks/plan_hbm.py [--topology v5e:2x4] [--recipe RECIPE]
 
 About 10 minutes on a 2-core host (8 compiles).
 """
@@ -44,8 +44,9 @@ def floor_bytes(cfg: TargetConfig, batch: int, slots: int, tensor: int) -> float
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--topology", default="v5e:2x4")
+    ap.add_argument("--recipe", default=RECIPE, help="a TPU recipe (default: %(default)s)")
     args = ap.parse_args()
-    cfg = load_recipe(RECIPE)
+    cfg = load_recipe(args.recipe)
     tc = target_config_for(cfg.target)
     chip = chip_of(args.topology)
     out = {"topology": args.topology, "target": str(cfg.target), "layers": tc.num_hidden_layers}
