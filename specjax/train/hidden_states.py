@@ -250,11 +250,15 @@ def _batch_ids(rows: TokenRows, idx: list[int], ctx: int, mesh) -> np.ndarray:
 
 def _write_batches(fn: TapFn, rows: TokenRows, data_dir, todo: list[int], batches: list[list[int]], *, ctx: int,
                    mesh, meta: dict, main: bool, bar, t0: float) -> int:
-    """The tap program batch by batch, each row's file written by process 0; returns the tokens done."""
+    """The tap program batch by batch, each row's file written by process 0; returns the tokens done.
+
+    Software-pipelined: batch ``n + 1`` is dispatched (JAX runs it asynchronously) before batch
+    ``n`` is copied to the host and written, so the device computes while the host writes."""
     done_tokens = 0
-    for b in batches:
-        idx = [todo[k] for k in b]
-        hs = shd.to_host(fn(_batch_ids(rows, idx, ctx, mesh)))
+
+    def write(idx, out):
+        nonlocal done_tokens
+        hs = shd.to_host(out)
         for r, i in enumerate(idx):
             t = len(rows.input_ids[i])
             if main:
@@ -263,6 +267,16 @@ def _write_batches(fn: TapFn, rows: TokenRows, data_dir, todo: list[int], batche
             bar.update(t)
         el = time.perf_counter() - t0
         bar.set_postfix_str(f"{done_tokens / max(el, 1e-9):.0f} tok/s")
+
+    pending = None
+    for b in batches:
+        idx = [todo[k] for k in b]
+        out = fn(_batch_ids(rows, idx, ctx, mesh))  # dispatched, not waited for
+        if pending is not None:
+            write(*pending)
+        pending = (idx, out)
+    if pending is not None:
+        write(*pending)
     return done_tokens
 
 

@@ -105,14 +105,9 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
     bar = tqdm(total=len(prompts), unit="prompt", desc=desc, disable=not progress, dynamic_ncols=True)
     t0, ntok = time.perf_counter(), 0
     taps_t = tuple(int(t) for t in taps)
-    for b0 in range(0, len(order), batch_size):
-        idx = order[b0: b0 + batch_size]
-        ids, plen, limits, P = _padded_batch(prompts, lens, idx, batch_size=batch_size, prompt_bucket=prompt_bucket,
-                                             pad_id=pad_id, max_new_tokens=max_new_tokens)
-        key, sub = jax.random.split(key)
-        out = generate_padded(graphdef, params, jnp.asarray(ids), jnp.asarray(plen), jnp.asarray(limits), sub, eos,
-                              max_new_tokens=max_new_tokens, max_len=P + max_new_tokens, sampling=sampling,
-                              pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps_t, capture_dtype=out_dtype)
+
+    def finish(idx, out):
+        nonlocal ntok
         batch_res = _batch_results(out, prompts, lens, idx, taps_t)
         for i, res in zip(idx, batch_res):
             results[i] = res
@@ -121,5 +116,22 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
             on_batch(idx, batch_res)
         bar.update(len(idx))
         bar.set_postfix_str(f"{ntok / max(time.perf_counter() - t0, 1e-9):.0f} tok/s")
+
+    # software-pipelined: batch n + 1 is dispatched (JAX runs it asynchronously) before batch n's
+    # results are copied to the host and handed to on_batch, so writes overlap the device's work
+    pending = None
+    for b0 in range(0, len(order), batch_size):
+        idx = order[b0: b0 + batch_size]
+        ids, plen, limits, P = _padded_batch(prompts, lens, idx, batch_size=batch_size, prompt_bucket=prompt_bucket,
+                                             pad_id=pad_id, max_new_tokens=max_new_tokens)
+        key, sub = jax.random.split(key)
+        out = generate_padded(graphdef, params, jnp.asarray(ids), jnp.asarray(plen), jnp.asarray(limits), sub, eos,
+                              max_new_tokens=max_new_tokens, max_len=P + max_new_tokens, sampling=sampling,
+                              pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps_t, capture_dtype=out_dtype)
+        if pending is not None:
+            finish(*pending)
+        pending = (idx, out)
+    if pending is not None:
+        finish(*pending)
     bar.close()
     return results  # type: ignore[return-value]

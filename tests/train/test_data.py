@@ -332,6 +332,50 @@ def test_extraction_resumes_and_partial_files_are_not_complete(tmp_path, tiny_da
     verify_cache(rows, d, aux_layer_ids=TINY_AUX, num_layers=6, hidden_size=32)
 
 
+def test_extraction_dispatches_the_next_batch_before_writing(tmp_path, monkeypatch):
+    """The device computes batch n + 1 while the host writes batch n: every batch after the first
+    is dispatched before the previous batch's rows are written, and every row is written once."""
+    from specjax.train import hidden_states as hsm
+
+    events = []
+
+    def fn(ids):
+        events.append(("run", int(ids[0, 0])))
+        return np.repeat(ids[:, :, None, None].astype(np.float32), 2, axis=2)
+
+    monkeypatch.setattr(hsm, "write_hs", lambda path, hs, ids, metadata: events.append(("write", int(ids[0]))))
+
+    class Bar:
+        def update(self, n):
+            pass
+
+        def set_postfix_str(self, s):
+            pass
+
+    rows = ds.TokenRows(input_ids=[np.arange(5, 9) + 10 * i for i in range(4)],
+                        loss_mask=[np.ones(4, np.int32) for _ in range(4)])
+    done = hsm._write_batches(fn, rows, tmp_path, list(range(4)), [[0], [1, 2], [3]], ctx=64, mesh=None, meta={},
+                              main=True, bar=Bar(), t0=0.0)
+    assert done == 16
+    assert events == [("run", 5), ("run", 15), ("write", 5), ("run", 35), ("write", 15), ("write", 25),
+                      ("write", 35)]
+
+
+def test_regeneration_dispatches_the_next_batch_before_handing_results_over(monkeypatch, tiny_target):
+    """Regeneration is pipelined as extraction is: batch n + 1 is dispatched before batch n's
+    results reach ``on_batch`` (where the caller writes them), each batch handed over once, in order."""
+    from specjax.train import selfdistill as sdm
+
+    events = []
+    monkeypatch.setattr(sdm, "generate_padded", lambda g, p, ids, *a, **kw: events.append(("run", ids.shape[0])) or ids)
+    monkeypatch.setattr(sdm, "_batch_results", lambda out, prompts, lens, idx, taps:
+                        [sdm.Generated(list(prompts[i]), [1], "length", None) for i in idx])
+    prompts = [[5, 6, 7]] * 5
+    sdm.generate_with_hidden_states(tiny_target.model, prompts, max_new_tokens=2, batch_size=2, progress=False,
+                                    on_batch=lambda idx, res: events.append(("write", tuple(idx))))
+    assert events == [("run", 2), ("run", 2), ("write", (0, 1)), ("run", 2), ("write", (2, 3)), ("write", (4,))]
+
+
 def test_cache_mismatch_errors(tmp_path, tiny_data):
     rows, _ = load_data_dir(tiny_data)
     rec = read_hs(hs_path(tiny_data, 0))
