@@ -257,7 +257,8 @@ class Run:
             params, optimizer=o.optimizer, lr=o.lr, weight_decay=o.weight_decay, muon_lr=o.muon_lr,
             muon_momentum=o.muon_momentum, muon_weight_decay=o.muon_weight_decay, muon_ns_steps=o.muon_ns_steps,
             muon_adjust_lr_fn=o.muon_adjust_lr_fn, scheduler_type=cfg.scheduler.scheduler_type, warmup=self.warmup,
-            total=self.sched_total, num_cycles=cfg.scheduler.scheduler_num_cosine_cycles, max_grad_norm=o.max_grad_norm, mesh=self.mesh)
+            total=self.sched_total, num_cycles=cfg.scheduler.scheduler_num_cosine_cycles, max_grad_norm=o.max_grad_norm,
+            mesh=self.mesh)
         self.shardings = None
         if self.mesh is None:
             opt_state = self.tx.init(params)
