@@ -5,7 +5,7 @@ batch's prefill runs packed (prompts back to back in one row)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -29,6 +29,20 @@ def packed_length(lens: Sequence[int], padded_len: int) -> int | None:
     layout) unless :func:`worth_packing`."""
     n = bucket(sum(int(x) for x in lens), padded_len)
     return n if worth_packing(n, len(lens), padded_len) else None
+
+
+def overlapped(items: Iterable[Any], start: Callable[[Any], Any], finish: Callable[[Any, Any], None]) -> None:
+    """``finish(item, start(item))`` for every item, in order, software-pipelined: item ``n + 1``
+    is started (a jitted call JAX dispatches without waiting) before item ``n`` is finished (its
+    result copied to the host, written), so the device computes while the host writes."""
+    pending = None
+    for item in items:
+        out = start(item)
+        if pending is not None:
+            finish(*pending)
+        pending = (item, out)
+    if pending is not None:
+        finish(*pending)
 
 
 def bucket(n: int, multiple: int = 32) -> int:

@@ -26,11 +26,11 @@ INIT_STD = 0.02  # HF initializer_range default; speculators inits Linear/Embedd
 LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _dot(a, b, ca: int, cb: int, nb: int):
+def _dot(a, b, ca: int, cb: int, nb: int, out=jnp.float32):
     """``dot_general`` contracting ``a``'s dim ``ca`` with ``b``'s dim ``cb``, the first ``nb``
-    dims batch dims, accumulated (and returned) in float32."""
+    dims batch dims, accumulated in float32 and returned as ``out``."""
     batch = tuple(range(nb))
-    return jax.lax.dot_general(a, b, (((ca,), (cb,)), (batch, batch)), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((ca,), (cb,)), (batch, batch)), preferred_element_type=out)
 
 
 def dot_tn(a, b):
@@ -79,17 +79,15 @@ def bmm_f32acc(x, w, transpose_rhs: bool = False, keep_f32: bool = False):
 
 
 def _bmm(x, w, transpose_rhs, keep_f32):
-    cw = w.ndim - 1 if transpose_rhs else w.ndim - 2
-    if not keep_f32 and not placement.is_cpu():
-        # TPU / GPU: the matrix units accumulate a bf16 dot in float32 and round once, the same
-        # contract on one chip. Asking for the bf16 result also makes a tensor-parallel layer
-        # (o_proj, down_proj: contraction split over chips) send bf16 partial sums to its
-        # all-reduce, as vLLM and Megatron do; with the float32 dot the TPU program wrote and sent
-        # float32 [T, H] partials (an 8B extraction row on v5e-8: 42.1 -> 33.5 GB of HBM traffic)
-        nb = x.ndim - 2
-        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (cw,)), (tuple(range(nb)), tuple(range(nb)))))
-    out = _dot(x, w, x.ndim - 1, cw, x.ndim - 2)
-    return out if keep_f32 else out.astype(x.dtype)
+    # On the CPU the float32 result, rounded once, is what runs natively (docstring). TPU / GPU
+    # matrix units accumulate a bf16 dot in float32 and round once too, so there the dot returns
+    # x.dtype directly; that also makes a tensor-parallel layer (o_proj, down_proj: contraction
+    # split over chips) send bf16 partial sums to its all-reduce, as vLLM and Megatron do, where
+    # the float32 dot wrote and sent float32 [T, H] partials (an 8B extraction row on v5e-8:
+    # 42.1 -> 33.5 GB of HBM traffic).
+    out = jnp.float32 if keep_f32 or placement.is_cpu() else x.dtype
+    y = _dot(x, w, x.ndim - 1, w.ndim - 1 if transpose_rhs else w.ndim - 2, x.ndim - 2, out)
+    return y if keep_f32 else y.astype(x.dtype)
 
 
 def _bmm_fwd(x, w, transpose_rhs, keep_f32):

@@ -34,7 +34,7 @@ import specjax.sharding as shd
 from bridge.errors import BridgeError
 from bridge.safetensors_io import SafetensorsFile, write_safetensors
 from specjax import placement
-from specjax.decode.batch import bucket as round_up
+from specjax.decode.batch import bucket as round_up, overlapped
 from specjax.train.dataset import TokenRows
 from specjax.train.errors import HiddenStateCacheError
 
@@ -252,8 +252,8 @@ def _write_batches(fn: TapFn, rows: TokenRows, data_dir, todo: list[int], batche
                    mesh, meta: dict, main: bool, bar, t0: float) -> int:
     """The tap program batch by batch, each row's file written by process 0; returns the tokens done.
 
-    Software-pipelined: batch ``n + 1`` is dispatched (JAX runs it asynchronously) before batch
-    ``n`` is copied to the host and written, so the device computes while the host writes."""
+    Software-pipelined (:func:`specjax.decode.batch.overlapped`): batch ``n + 1`` is dispatched
+    before batch ``n`` is copied to the host and written."""
     done_tokens = 0
 
     def write(idx, out):
@@ -268,15 +268,7 @@ def _write_batches(fn: TapFn, rows: TokenRows, data_dir, todo: list[int], batche
         el = time.perf_counter() - t0
         bar.set_postfix_str(f"{done_tokens / max(el, 1e-9):.0f} tok/s")
 
-    pending = None
-    for b in batches:
-        idx = [todo[k] for k in b]
-        out = fn(_batch_ids(rows, idx, ctx, mesh))  # dispatched, not waited for
-        if pending is not None:
-            write(*pending)
-        pending = (idx, out)
-    if pending is not None:
-        write(*pending)
+    overlapped([[todo[k] for k in b] for b in batches], lambda idx: fn(_batch_ids(rows, idx, ctx, mesh)), write)
     return done_tokens
 
 

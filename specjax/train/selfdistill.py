@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.decode.batch import bucket
+from specjax.decode.batch import bucket, overlapped
 from specjax.decode.generate import generate_padded
 from specjax.decode.sampling import SamplingParams
 from specjax.models import panels
@@ -117,21 +117,17 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
         bar.update(len(idx))
         bar.set_postfix_str(f"{ntok / max(time.perf_counter() - t0, 1e-9):.0f} tok/s")
 
-    # software-pipelined: batch n + 1 is dispatched (JAX runs it asynchronously) before batch n's
-    # results are copied to the host and handed to on_batch, so writes overlap the device's work
-    pending = None
-    for b0 in range(0, len(order), batch_size):
-        idx = order[b0: b0 + batch_size]
+    def start(idx):
+        nonlocal key
         ids, plen, limits, P = _padded_batch(prompts, lens, idx, batch_size=batch_size, prompt_bucket=prompt_bucket,
                                              pad_id=pad_id, max_new_tokens=max_new_tokens)
         key, sub = jax.random.split(key)
-        out = generate_padded(graphdef, params, jnp.asarray(ids), jnp.asarray(plen), jnp.asarray(limits), sub, eos,
-                              max_new_tokens=max_new_tokens, max_len=P + max_new_tokens, sampling=sampling,
-                              pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps_t, capture_dtype=out_dtype)
-        if pending is not None:
-            finish(*pending)
-        pending = (idx, out)
-    if pending is not None:
-        finish(*pending)
+        return generate_padded(graphdef, params, jnp.asarray(ids), jnp.asarray(plen), jnp.asarray(limits), sub, eos,
+                               max_new_tokens=max_new_tokens, max_len=P + max_new_tokens, sampling=sampling,
+                               pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps_t, capture_dtype=out_dtype)
+
+    # batch n + 1 is dispatched before batch n's results are copied to the host and handed to
+    # on_batch (where callers write them): the writes overlap the device's work
+    overlapped([order[b0: b0 + batch_size] for b0 in range(0, len(order), batch_size)], start, finish)
     bar.close()
     return results  # type: ignore[return-value]
