@@ -73,9 +73,10 @@ def bench_cmd(
                                       help="prompts pad to a multiple of this; one compile of each loop per "
                                       "multiple in use (larger: fewer compiles, more padded prefill)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="progress bar over prompts (stderr)"),
-    tree: Optional[str] = typer.Option(None, "--tree", help="also bench a token tree (one device): 'auto' (calibrate "
-                                       "per-depth/per-rank acceptance on the first --tree-calibration batches, time "
-                                       "each candidate's verify and draft, pick the best predicted speedup) or "
+    tree: Optional[str] = typer.Option(None, "--tree", help="also bench a token tree (sharded with --mesh): 'auto' "
+                                       "(calibrate per-depth/per-rank acceptance on the first --tree-calibration "
+                                       "batches, time each candidate's verify and draft, pick the best predicted "
+                                       "speedup) or "
                                        "vLLM's speculative_token_tree path list, e.g. \"[(0,), (1,), (0, 0)]\""),
     tree_topk: Optional[int] = typer.Option(None, "--tree-topk", min=1, help="a dynamic (EAGLE-2) tree: children "
                                             "per expanded node (with --tree-depth, --tree-nodes)"),
@@ -130,9 +131,6 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
     tree_spec = "auto" if auto else tree_option(tree, topk=tree_topk, depth=tree_depth, num_nodes=tree_nodes)
     if auto and any(x is not None for x in (tree_topk, tree_depth, tree_nodes)):
         raise ValueError("--tree auto chooses a static tree; drop --tree-topk/--tree-depth/--tree-nodes")
-    if tree_spec is not None and sharded:
-        raise ValueError(f"bench --tree runs on one device (its tree cost probes are single-device), not on "
-                         f"{describe(dev_mesh)}; specjax generate --tree --mesh runs a tree sharded")
     main = is_main_process()
     progress = progress and main
     dt = None if dtype == "auto" else dtype

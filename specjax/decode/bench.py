@@ -31,8 +31,8 @@ and the report's ``tree`` record holds the choice, the tree's acceptance, speed 
 
 Padding sequences (to fill the last batch) are generated and timed but not counted.
 
-With ``mesh`` (a ``jax.sharding.Mesh`` of more than one device) both loops and the cost probes
-run sharded: the target by ``TARGET_RULES`` (placed once, as a copy, when it is not on the mesh
+With ``mesh`` (a ``jax.sharding.Mesh`` of more than one device) every loop (the tree's too) and
+the cost probes run sharded: the target by ``TARGET_RULES`` (placed once, as a copy, when it is not on the mesh
 already), the draft by ``DRAFT_RULES``, every batch split over ``("data", "fsdp")`` and padded to
 a multiple of data x fsdp (the cost probes run at that padded batch), KV caches by batch and
 heads. Multi-process: every process runs the same bench and holds the same report.
@@ -146,7 +146,7 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     (same seeds, same outputs) and keeps each side's fastest pass. ``prompt_bucket``: prompts pad
     to a multiple of it (each multiple in use compiles both loops once). ``mesh``: run sharded (module
     docstring); the report gains ``"mesh"``. ``tree``: also run the tree loop on the same batches
-    (a third side, interleaved; one device): a :class:`specjax.decode.tree.TokenTree`, a path list,
+    (a third side, interleaved; sharded with ``mesh``): a :class:`specjax.decode.tree.TokenTree`, a path list,
     a :class:`specjax.decode.tree_loop.DynamicTreeSpec`, or ``"auto"`` (calibrated on the first
     ``tree_calibration`` batches and chosen by :mod:`specjax.decode.tree_auto`); the report gains
     ``"tree"``. Returns a :class:`BenchReport`."""
@@ -158,9 +158,6 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     kk = resolve_k(draft, k)
     if mesh is not None and mesh.size <= 1:
         mesh = None
-    if tree is not None and mesh is not None:
-        raise ValueError("bench's tree side runs on one device (single-device cost probes): bench a token tree "
-                         "without a mesh")
     sides = _Sides(target, draft, prompts, kk, batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh,
                    common=dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids,
                                pad_id=pad_id, mesh=mesh),
@@ -235,7 +232,7 @@ class _Sides:
 
     def __init__(self, target, draft: SpecDraft, prompts, k: int, *, batch_size: int, prompt_bucket: int, mesh,
                  common: dict, spec_kw: dict):
-        self.draft, self.k, self.spec_kw = draft, k, spec_kw
+        self.draft, self.k, self.spec_kw, self.mesh = draft, k, spec_kw, mesh
         self.P = P = bucket(max(len(p) for p in prompts), prompt_bucket)
         self.batches = []
         for i in range(0, len(prompts), batch_size):
@@ -276,9 +273,8 @@ class _Sides:
         return self.run_tree(self.tree, j, s, **{**self.tree_kw, **over})
 
     def run_tree(self, tree, j: int, s: int, **over):
-        common = {key: v for key, v in self.common.items() if key != "mesh"}
         return tree_generate_ids(self.target, self.draft, self.batches[j][0], tree=tree, seed=s, split=self.split,
-                                 prompt_bucket=self.lens[j], **{**common, **over})
+                                 prompt_bucket=self.lens[j], **{**self.common, **over})
 
     def set_tree(self, tree, *, seed: int, draft_sampling: str, calibration: int, cost_iters: int, progress: bool):
         """Add the tree side. ``"auto"``: decode the first ``calibration`` batches with a spine tree,
@@ -302,7 +298,7 @@ class _Sides:
         step_ms, costs = tree_auto.measure_tree_costs(
             self.target, self.draft.module, [t for t, _ in trees], batch=len(self.batches[0][0]),
             prompt_len=bucket(int(np.mean(self.lens))), max_new_tokens=self.common["max_new_tokens"],
-            iters=cost_iters, split=self.split)
+            iters=cost_iters, split=self.split, mesh=self.mesh)
         best, scored = tree_auto.choose_tree(p, step_ms, costs, trees)
         self.tree, self.tree_cost = best.tree, (step_ms, best.cost)
         return {"calibration": {"tree": {"depth": cal.max_depth, "width": p.shape[1]}, "batches": n_cal,
@@ -392,7 +388,7 @@ def _tree_fields(sides: _Sides, timed: _Timed, fixed: dict, auto: dict | None, c
         step_ms, (c,) = tree_auto.measure_tree_costs(sides.target, sides.draft.module, [sides.tree],
                                                      batch=batch_size, prompt_len=probe_len,
                                                      max_new_tokens=max_new_tokens, iters=cost_iters,
-                                                     split=sides.split)
+                                                     split=sides.split, mesh=sides.mesh)
     tps = {side: timed.n[side] / timed.t[side] for side in ("base", "spec", "tree")}
     pred = st.tau * step_ms / (c.draft_ms + c.verify_ms)
     out = {**tree_auto.describe_tree(sides.tree), "tau": round(st.tau, 4),

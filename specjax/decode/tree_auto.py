@@ -33,8 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import sharding as shd
 from specjax.decode.costs import best_interleaved, cycled, per_round, probe_step, probe_verify, target_split
-from specjax.decode.speculative import Pair, split_pair
+from specjax.decode.generate import pin_cache
+from specjax.decode.speculative import Pair, place_pair, split_pair
 from specjax.decode.tree import TokenTree
 from specjax.decode.tree_loop import DynamicTreeSpec, propose_tree
 from specjax.models import panels
@@ -121,44 +123,58 @@ class TreeCost:
 
 
 def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len: int, max_new_tokens: int,
-                       iters: int = 5, split=None) -> tuple[float, list[TreeCost]]:
+                       iters: int = 5, split=None, mesh=None) -> tuple[float, list[TreeCost]]:
     """One target decode step (ms) and, per tree (:class:`TokenTree` or :class:`DynamicTreeSpec`),
-    the verify and draft costs of one round, on one device at the tree loop's shapes (caches half
-    full), timed as :func:`specjax.decode.costs.measure_costs` times the chain: ``R`` and ``2R``
-    rounds in one call, the difference per ``R``, best of ``iters`` interleaved. A dynamic tree's
-    verify is timed with a chain mask of its size (same rows, same cost)."""
+    the verify and draft costs of one round, at the tree loop's shapes (caches half full), timed as
+    :func:`specjax.decode.costs.measure_costs` times the chain: ``R`` and ``2R`` rounds in one call,
+    the difference per ``R``, best of ``iters`` interleaved. A dynamic tree's verify is timed with
+    a chain mask of its size (same rows, same cost). ``mesh``: placed as the sharded tree loop
+    places them (batch padded to a multiple of data x fsdp and split, heads over tensor; params as
+    in ``split``, default :func:`specjax.decode.speculative.place_pair`)."""
+    if mesh is not None and mesh.size <= 1:
+        mesh = None
+    if mesh is not None:
+        batch = shd.pad_batch(batch, mesh)
+        if split is None:
+            split = place_pair(target, draft, mesh)
     graphdef, state = split if split is not None else split_pair(target, draft)
-    state = panels.decode_state(Pair(target, draft), state)
+    if mesh is None:  # the weights the single-device loop runs on
+        state = panels.decode_state(Pair(target, draft), state)
     cfg = target.config
     dtype = target.model.embed_tokens.embedding[...].dtype
     fill_host = np.full((batch,), prompt_len + max_new_tokens // 2, np.int32)
-    fill = jnp.asarray(fill_host)
     maxn = max(t.num_nodes for t in trees)
     S = prompt_len + max_new_tokens + maxn + 1
     tgraph, tstate = target_split(graphdef, state)
     taps = tuple(draft.tap_ids(cfg.num_hidden_layers))
-    cache = KVCache.init(cfg, batch, S, dtype, lengths=fill)  # each probe donates its own copy
+
+    def put(x):
+        x = np.asarray(x)
+        return jnp.asarray(x) if mesh is None else shd.put(x, shd.batch_sharding(mesh, x.ndim))
+
+    fill = put(fill_host)
+    cache = KVCache.init(cfg, batch, S, dtype, lengths=fill_host)  # each probe donates its own copy
+    if mesh is not None:
+        cache = jax.tree.map(lambda x, sh: shd.put(np.asarray(x), sh), cache, shd.kv_cache_sharding(mesh, cache))
 
     def verify_call(tree):
         n1 = tree.num_nodes + 1
-        if isinstance(tree, TokenTree):
-            mask = jnp.asarray(np.broadcast_to(tree.mask, (batch, n1, n1)))
-        else:
-            mask = jnp.broadcast_to(jnp.tril(jnp.ones((n1, n1), bool)), (batch, n1, n1))
-        ids = jnp.ones((batch, n1), jnp.int32)
-        return cycled(functools.partial(probe_verify, tgraph, mask=mask), tstate, ids, cache)
+        mask = tree.mask if isinstance(tree, TokenTree) else np.tril(np.ones((n1, n1), bool))
+        ids = put(np.ones((batch, n1), np.int32))
+        return cycled(functools.partial(probe_verify, tgraph, mask=put(np.broadcast_to(mask, (batch, n1, n1)))),
+                      tstate, ids, cache)
 
     def draft_call(tree):
         D = tree.max_depth
-        aux = tuple(jnp.ones((batch, D + 1, cfg.hidden_size), dtype) for _ in taps)
-        ids = jnp.ones((batch, D + 1), jnp.int32)
-        pos = jnp.asarray(fill_host[:, None] + np.arange(D + 1, dtype=np.int32)[None])
-        nv = jnp.full((batch,), D + 1, jnp.int32)
+        aux = tuple(put(np.ones((batch, D + 1, cfg.hidden_size), np.dtype(dtype))) for _ in taps)
+        ids = put(np.ones((batch, D + 1), np.int32))
+        pos = put(fill_host[:, None] + np.arange(D + 1, dtype=np.int32)[None])
+        nv = put(np.full((batch,), D + 1, np.int32))
         slots = prompt_len + max_new_tokens + 2 * (D + 1)
-        fn = functools.partial(_probe_tree_draft, graphdef, tree, batch, slots, dtype)
+        fn = functools.partial(_probe_tree_draft, graphdef, tree, batch, slots, dtype, mesh)
         return lambda reps: fn(state, aux, ids, pos, nv, fill, reps)
 
-    step = cycled(functools.partial(probe_step, tgraph), tstate, jnp.ones((batch, 1), jnp.int32), cache)
+    step = cycled(functools.partial(probe_step, tgraph), tstate, put(np.ones((batch, 1), np.int32)), cache)
 
     R = 3
     calls = [(step, (R,)), (step, (2 * R,))]
@@ -171,11 +187,11 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
     return ms[0], [TreeCost(ms[1 + 2 * j], ms[2 + 2 * j]) for j in range(len(trees))]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _probe_tree_draft(graphdef, tree, batch, slots, dtype, state, aux, ids, pos, nv, fill, reps):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _probe_tree_draft(graphdef, tree, batch, slots, dtype, mesh, state, aux, ids, pos, nv, fill, reps):
     """``reps`` tree proposals after D+1 accepted rows, each fed a token of the last tree."""
     d = nnx.merge(graphdef, state).draft
-    dcache = d.init_cache(batch, slots, dtype, lengths=fill)
+    dcache = pin_cache(d.init_cache(batch, slots, dtype, lengths=fill), mesh)
     rows = d.aux_from_taps(aux)
 
     def body(_, ids):

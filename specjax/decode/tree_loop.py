@@ -15,7 +15,8 @@ One round (``B`` sequences, tree of ``N`` drafted nodes and depth ``D``, :mod:`s
    ``path``) with the token after each, at positions ``L..L+n`` -- the chain hand-off, rows
    chosen by the path -- and drafts the next tree (:func:`propose_tree`).
 
-Drafting needs a chain draft's teacher-forced ``propose(..., forced=)`` (EAGLE-3, MTP). A static
+Every speculators draft drafts trees (its ``tree_drafting``), and so does any draft with a
+teacher-forced ``propose(..., forced=)`` (the self draft). A static
 tree (:class:`specjax.decode.tree.TokenTree`): node i's children are the draft's top-c tokens after
 the root-to-i path. A dynamic tree (:class:`DynamicTreeSpec`): the root's top-k, then per further
 depth the top-k frontier nodes (by cumulative draft log-prob) expanded, the best ``num_nodes``
@@ -26,7 +27,13 @@ chain state (its draft cache with the ancestors' scratch rows, and its hidden st
 expanded node, nothing re-run (:func:`_step_nodes`). Other drafts with a teacher-forced
 ``propose(..., forced=)`` re-run a forced chain per expanded node (:func:`forced_logits`: one
 call per depth, each re-reading the committed rows and re-running the earlier steps); both give
-the same tree. On a mesh the loop runs sharded (:func:`sharded_tree_fn`).
+the same tree. Block drafts (:class:`_Block`) propose all depths in one pass: for P-EAGLE and
+DFlash the depth-d logits do not depend on the drafted tokens, so a tree's nodes at one depth all
+get the same children (their natural tree: the top-c tokens of each depth's distribution,
+combined along the tree's paths); DSpark's Markov head conditions each depth on the token before
+it, so its depth-d logits are re-run with each node's path fed (its backbone block once per node).
+A tree is at most a block deep (:meth:`max_proposal`). On a mesh the loop runs sharded
+(:func:`sharded_tree_fn`).
 """
 
 from __future__ import annotations
@@ -110,14 +117,20 @@ class TreeState(NamedTuple):
     hits: jax.Array  # int32 [B, N+1]: rounds in which node i was on the accepted path (node 0: every live round)
 
 
-def check_tree_draft(draft) -> None:
-    """Refuse a draft that cannot teacher-force a chain (:class:`TreeDraftError`): block drafts
-    (P-EAGLE, DFlash, DSpark) propose all positions in one pass, the self draft has no forced chain."""
-    prop = getattr(draft, "propose", None)
-    if not callable(prop) or "forced" not in inspect.signature(prop).parameters:
-        raise TreeDraftError(f"a {getattr(draft, 'algorithm', type(draft).__name__)} draft cannot draft a token "
-                             "tree: it needs teacher-forced chain proposals, propose(..., forced=) (EAGLE-3, MTP)",
-                             key="tree")
+def check_tree_draft(draft, tree=None) -> None:
+    """Refuse a draft that cannot draft ``tree`` (:class:`TreeDraftError`): one with neither a
+    ``tree_drafting`` kind nor a teacher-forced ``propose(..., forced=)``, or a block draft asked
+    for a tree deeper than its block."""
+    name = getattr(draft, "algorithm", type(draft).__name__)
+    if getattr(draft, "tree_drafting", None) is None:
+        prop = getattr(draft, "propose", None)
+        if not callable(prop) or "forced" not in inspect.signature(prop).parameters:
+            raise TreeDraftError(f"a {name} draft cannot draft a token tree: it has no tree_drafting kind (chain, "
+                                 "parallel, markov) and no teacher-forced propose(..., forced=)", key="tree")
+    block = draft.max_proposal() if callable(getattr(draft, "max_proposal", None)) else None
+    if tree is not None and block is not None and tree.max_depth > block:
+        raise TreeDraftError(f"a {name} draft proposes at most {block} tokens per block; the tree is "
+                             f"{tree.max_depth} deep", key="tree")
 
 
 def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree, *, sample: SamplingParams | None = None,
@@ -129,12 +142,13 @@ def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree, *, 
     state (default for ``extend``/``step`` chain drafts: EAGLE-3, MTP), else re-run a teacher-forced
     chain per node (:func:`forced_logits`; same tokens). Returns the :class:`Drafted` tree and the
     draft cache."""
+    mode = _mode(draft, steps)
     if isinstance(tree, DynamicTreeSpec):
         if sample is not None:
             raise ValueError("a dynamic tree takes the draft's top-k children (draft_sampling='greedy'), not samples")
-        return _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, tree, steps=steps)
+        return _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, tree, mode)
     nodes, q, cache = _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree, sample, key,
-                                      vocab_size, _incremental(draft) if steps is None else steps)
+                                      vocab_size, mode)
     B = nodes.shape[0]
     bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (B, *a.shape))  # noqa: E731
     return Drafted(nodes, bc(tree.depth), bc(tree.mask), bc(tree.children), q), cache
@@ -160,10 +174,42 @@ class _Chains(NamedTuple):
     hidden: jax.Array  # [F*B, H]
 
 
-def _incremental(draft) -> bool:
-    """Drafts whose chain is ``extend`` once then ``step`` per token (EAGLE-3, MTP): a tree's
-    nodes are drafted one step per depth from their parent's state (:func:`_step_nodes`)."""
-    return isinstance(draft, ChainProposer)
+def _mode(draft, steps: bool | None) -> str:
+    """How a tree's depths are drafted: "block" (``tree_drafting`` parallel or markov:
+    :class:`_Block`), "steps" (``extend`` once then ``step`` per token: EAGLE-3, MTP; a tree's
+    nodes one step per depth from their parent's state, :func:`_step_nodes`; ``steps=False``
+    forces the next) or "forced" (a teacher-forced chain per node, :func:`forced_logits`)."""
+    kind = getattr(draft, "tree_drafting", None)
+    if kind in ("parallel", "markov"):
+        return "block"
+    if steps is None:
+        steps = kind == "chain" and isinstance(draft, ChainProposer)
+    return "steps" if steps else "forced"
+
+
+class _Block:
+    """A block draft's logits for a tree's nodes (module docstring): one proposal of the tree's
+    depth ``D`` after the committed rows; ``at(d, paths)`` the logits f32 [B, F, Vd] of F nodes at
+    depth d (paths int32 [B, F, d]: their root-to-node tokens, target ids)."""
+
+    def __init__(self, draft, dcache, rows, next_tokens, positions, n_valid, D: int):
+        self.draft, self.markov = draft, draft.tree_drafting == "markov"
+        if hasattr(draft, "extend_anchor"):  # DFlash, DSpark: extend once, propose from the anchor
+            self.ctx = draft.extend_anchor(dcache, rows, next_tokens, positions, n_valid=n_valid)
+            prop = draft.propose(*self.ctx, k=D)
+        else:  # P-EAGLE: the mask rows are scratch past the committed ones
+            prop = draft.speculate(dcache, rows, next_tokens, positions, n_valid=n_valid, k=D)
+        self.logits, self.cache = prop.logits.astype(jnp.float32), prop.cache
+
+    def at(self, d: int, paths) -> jax.Array:
+        B, F = paths.shape[:2]
+        if not self.markov or d == 0:
+            return jnp.broadcast_to(self.logits[:, d][:, None], (B, F, self.logits.shape[-1]))
+        cache, anchor, apos = self.ctx
+        rep = lambda x: jnp.repeat(x, F, axis=0)  # noqa: E731  (f-minor: row b*F + f)
+        forced = jnp.concatenate([paths, jnp.zeros((B, F, 1), paths.dtype)], -1).reshape(B * F, d + 1)
+        prop = self.draft.propose(jax.tree_util.tree_map(rep, cache), rep(anchor), rep(apos), forced=forced, k=d + 1)
+        return prop.logits[:, d].astype(jnp.float32).reshape(B, F, -1)
 
 
 def _extend_root(draft, dcache, rows, next_tokens, pos, n_valid):
@@ -196,17 +242,20 @@ def _step_nodes(draft, parents: _Chains, parent_of, tokens, pos0, depth: int) ->
 
 
 def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: TokenTree, sample, key,
-                    vocab_size: int, steps: bool):
+                    vocab_size: int, mode: str):
     """Node i's children (rank order) are the draft's top-c tokens after the root-to-i path (or
     i.i.d. draws from its processed distribution, ``sample``). The internal nodes of one depth
-    share one batched draft call: with ``steps`` one chain step each from its parent's state
-    (:func:`_step_nodes`; the committed rows ingested once), else one teacher-forced chain each
-    (:func:`forced_logits`). Returns (nodes int32 [B, N+1] target ids, column 0 zero; q f32
-    [B, N+1, V] or [1]; the draft cache)."""
+    share one batched draft call (:func:`_mode`): "steps" one chain step each from its parent's
+    state (:func:`_step_nodes`; the committed rows ingested once), "forced" one teacher-forced
+    chain each (:func:`forced_logits`), "block" :class:`_Block`. Returns (nodes int32 [B, N+1]
+    target ids, column 0 zero; q f32 [B, N+1, V] or [1]; the draft cache)."""
     B = next_tokens.shape[0]
     pos = positions + getattr(draft, "token_position_offset", 0)
     d2t = d2t_of(draft)
-    if steps:
+    if mode == "block":
+        blk = _Block(draft, dcache, rows, next_tokens, positions, n_valid, tree.max_depth)
+        root_logits, cache = blk.logits[:, 0], blk.cache
+    elif mode == "steps":
         root_logits, chains, cache, pos0 = _extend_root(draft, dcache, rows, next_tokens, pos, n_valid)
     else:
         root = draft.propose(dcache, rows, next_tokens, pos, k=1, n_valid=n_valid)
@@ -221,7 +270,9 @@ def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: 
             continue
         if d == 0:
             lg = root_logits[:, None].astype(jnp.float32)  # [B, 1, Vd]
-        elif steps:
+        elif mode == "block":
+            lg = blk.at(d, nodes[:, tree.path_nodes[np.asarray(inner)][:, 1:d + 1]])
+        elif mode == "steps":
             where = {n: j for j, n in enumerate(prev)}
             parent_of = np.asarray([where[int(tree.parent[i])] for i in inner], np.int32)
             lg, chains = _step_nodes(draft, chains, parent_of, nodes[:, np.asarray(inner)].T, pos0, d)
@@ -244,16 +295,20 @@ def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: 
     return nodes, node_q, cache
 
 
-def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec: DynamicTreeSpec, *,
-                     steps: bool | None = None):
+def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec: DynamicTreeSpec, mode: str):
     """EAGLE-2: scores are the draft's cumulative log-probs (temperature 1, draft vocabulary); the
     frontier of each depth is expanded by one chain step per frontier node from its parent's
-    state (``steps``, chain drafts), or by one batched teacher-forced proposal."""
+    state ("steps", chain drafts), by one batched teacher-forced proposal ("forced"), or from a
+    block draft's proposal (:class:`_Block`)."""
     pos = positions + getattr(draft, "token_position_offset", 0)
     d2t = d2t_of(draft)
-    if steps is None:
-        steps = _incremental(draft)
-    if steps:
+    if mode == "block":
+        blk = _Block(draft, dcache, rows, next_tokens, positions, n_valid, spec.depth)
+        root_logits, cache = blk.logits[:, 0], blk.cache
+
+        def expand(level, paths, frontier):  # noqa: ARG001  (paths [B, topk, level] draft ids)
+            return jax.nn.log_softmax(blk.at(level, draft_to_target(paths, d2t).astype(jnp.int32)), axis=-1)
+    elif mode == "steps":
         root_logits, root_chain, cache, pos0 = _extend_root(draft, dcache, rows, next_tokens, pos, n_valid)
         box = {"chains": root_chain}
 
@@ -416,7 +471,7 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
     if _proposal_sampling(sampling, draft_sampling) is not None and isinstance(tree, DynamicTreeSpec):
         raise ValueError("a dynamic tree takes the draft's top-k children (draft_sampling='greedy'), not samples")
     sd = as_spec_draft(draft)
-    check_tree_draft(sd.module)
+    check_tree_draft(sd.module, tree)
     b = prepare(target.config, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, pad_id=pad_id,
                 context_length=context_length, prompt_bucket=prompt_bucket, limit=limit)
     P, N = b.padded_len, tree.num_nodes

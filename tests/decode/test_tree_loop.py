@@ -1,6 +1,7 @@
 """The static-tree speculative loop with an EAGLE-3 draft: greedy output token-identical to
 target-only greedy generation for several trees (ragged prompts, one jitted while loop), with
-rounds that accept 1 to 3 drafted nodes; a draft without teacher-forced proposals is refused.
+rounds that accept 1 to 3 drafted nodes; block drafts (P-EAGLE, DFlash, DSpark) too; a tree
+deeper than a block, or a draft that cannot draft trees, is refused.
 
 Both LM heads are restricted to the same 3 tokens (other columns zeroed: the argmax is one of 4) so that a random draft's
 top-c children often contain the target's argmax: the tree paths, compaction and hand-off all run."""
@@ -93,13 +94,85 @@ def test_greedy_tree_loop_equals_target_only(pair, reference, name):
         assert res.rounds < NEW - 1  # fewer target forwards than tokens
 
 
-def test_tree_needs_a_chain_draft(pair, verifiers, tmp_path):
+@pytest.fixture(scope="module")
+def block_drafts(pair, verifiers, tmp_path_factory):
+    """P-EAGLE, DFlash (block 4: 3 drafted tokens) and DSpark (its Markov head) for the pair's
+    target, LM heads restricted as the EAGLE-3 draft's."""
     from tests.refs.speculators_ckpts import build
 
     target, _ = pair
-    peagle = load_spec_draft(str(build("peagle", tmp_path / "peagle", verifiers["llama"])), target)
-    with pytest.raises(TreeDraftError, match=r"a peagle draft cannot draft a token tree: it needs teacher-forced"):
-        tree_generate_ids(target, peagle, PROMPTS[:1], tree=TREES["vllm"], max_new_tokens=4)
+    out = {}
+    for algo in ("peagle", "dflash", "dspark"):
+        d = load_spec_draft(str(build(algo, tmp_path_factory.mktemp(f"tree-{algo}") / algo, verifiers["llama"])),
+                            target)
+        _restrict_head(d.module.lm_head.kernel)
+        out[algo] = d
+    return out
+
+
+@pytest.mark.parametrize("algo", ["peagle", "dflash", "dspark"])
+def test_block_drafts_draft_trees(pair, reference, block_drafts, algo):
+    """Block drafts draft trees (P-EAGLE and DFlash: every node of a depth gets that depth's top-c
+    tokens; DSpark: each node's path fed to its Markov head): greedy output and final cache as
+    target-only for a static and a dynamic tree, and a chain-shaped tree accepts exactly what the
+    chain loop accepts at k = 3, round by round."""
+    from specjax.decode.speculative import speculative_generate_ids
+
+    target, _ = pair
+    draft = block_drafts[algo]
+    assert draft.module.tree_drafting == ("markov" if algo == "dspark" else "parallel")
+    for tree in (TREES["vllm"], DynamicTreeSpec(topk=3, depth=3, num_nodes=8)):
+        res = tree_generate_ids(target, draft, PROMPTS, tree=tree, max_new_tokens=NEW, eos_token_ids=[], trace=True)
+        assert res.tokens == reference, (algo, tree)
+        _check_cache(target, res)
+        assert res.stats.total[1:].sum() > 0, res.stats.total  # drafted nodes are committed
+    chain = speculative_generate_ids(target, draft, PROMPTS, k=3, max_new_tokens=NEW, eos_token_ids=[])
+    spine = tree_generate_ids(target, draft, PROMPTS, tree=TokenTree.chain(3), max_new_tokens=NEW, eos_token_ids=[])
+    assert spine.tokens == chain.tokens == reference
+    np.testing.assert_array_equal(spine.stats.hist, chain.stats.hist)
+
+
+@pytest.mark.parametrize("algo", ["peagle", "dflash", "dspark"])
+def test_block_tree_nodes_are_the_chain_proposals_ranks(pair, block_drafts, algo):
+    """A block draft's static tree, node by node: the rank-r child of the rank-0 node at depth d is
+    the r-th best token of the greedy chain proposal's depth-d logits (DSpark: that chain feeds
+    the rank-0 path to its Markov head, as the tree does)."""
+    from specjax.decode.tree import parse_tree
+    from specjax.decode.tree_loop import propose_tree
+
+    target, _ = pair
+    d = block_drafts[algo].module
+    H, taps = target.config.hidden_size, d.tap_ids(target.config.num_hidden_layers)
+    rng = np.random.default_rng(0)
+    B, n = 2, 5
+    rows = d.aux_from_taps(tuple(jnp.asarray(rng.standard_normal((B, n, H)), jnp.float32) for _ in taps))
+    ids = jnp.asarray(rng.integers(0, 3, (B, n)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n))
+    nv = jnp.asarray([5, 3], jnp.int32)
+    cache = d.init_cache(B, 32, jnp.float32)
+    tree = parse_tree("[(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1)]")
+    got, _ = propose_tree(d, cache, rows, ids, pos, nv, tree)
+    prop = d.speculate(cache, rows, ids, pos, n_valid=nv, k=3)
+    order = np.argsort(-np.asarray(prop.logits, np.float64), axis=-1, kind="stable")  # [B, 3, V] ranks per depth
+    want = np.stack([order[:, 0, 0], order[:, 0, 1], order[:, 1, 0], order[:, 1, 1], order[:, 2, 0], order[:, 2, 1]], 1)
+    np.testing.assert_array_equal(np.asarray(got.tokens)[:, 1:], want)
+    np.testing.assert_array_equal(order[:, :, 0], np.asarray(prop.tokens))  # the chain is the rank-0 path
+
+
+def test_tree_depth_and_draft_kind_are_checked(pair, block_drafts):
+    target, _ = pair
+    with pytest.raises(TreeDraftError, match=r"a dflash draft proposes at most 3 tokens per block; the tree is 4 deep"):
+        tree_generate_ids(target, block_drafts["dflash"], PROMPTS[:1], tree=TokenTree.chain(4), max_new_tokens=4)
+
+    class Opaque:  # a draft with neither a tree_drafting kind nor teacher-forced proposals
+        algorithm = "opaque"
+
+        def propose(self, cache, rows, ids, pos, *, k=None):
+            raise AssertionError("not reached")
+
+    from specjax.decode.tree_loop import check_tree_draft
+    with pytest.raises(TreeDraftError, match=r"a opaque draft cannot draft a token tree: it has no tree_drafting"):
+        check_tree_draft(Opaque())
 
 
 def test_self_draft_trees(pair, reference):
@@ -149,18 +222,19 @@ def _exact_joint3(target, prompt, sampling):
 
 @pytest.fixture(scope="module")
 def peaked_pair(tmp_path_factory):
-    """A 16-token Llama with peaked next-token distributions (LM head x 10) and a random EAGLE-3
-    draft over the full 16-token vocabulary."""
+    """A 16-token Llama with peaked next-token distributions (LM head x 10) and random EAGLE-3,
+    DFlash and DSpark drafts over the full 16-token vocabulary: (target, {algorithm: draft})."""
     from tests.refs import speculators_ckpts as ck
 
     root = tmp_path_factory.mktemp("tree-peaked")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ck, "VOCAB", 16)  # the helper's vocabulary: a full draft vocabulary of 16
         ver = ck.make_verifier(root / "verifier", "llama", vocab_size=16)
-        path = ck.build("eagle3", root / "eagle3", ver, num_layers=1)
+        paths = {a: ck.build(a, root / a, ver, num_layers=1 if a == "eagle3" else None)
+                 for a in ("eagle3", "dflash", "dspark")}
     target = load_hf_dir(ver)
     target.lm_head.kernel.set_value(target.lm_head.kernel[...] * 10.0)
-    return target, load_spec_draft(str(path), target)
+    return target, {a: load_spec_draft(str(p), target) for a, p in paths.items()}
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(temperature=1.0,
@@ -173,7 +247,22 @@ def test_sampled_tree_loop_is_lossless(peaked_pair, sampling, tree, draft_sampli
     """The first three tokens of 20 000 tree-loop samples (vLLM's tree, and a dynamic tree: two
     siblings at depth 1; point-mass proposals, and i.i.d. sampled ones on vLLM's tree) follow the
     target's exact joint distribution (chi-square)."""
-    target, draft = peaked_pair
+    target, drafts = peaked_pair
+    _assert_follows_target(target, drafts["eagle3"], tree, draft_sampling, sampling)
+
+
+@pytest.mark.parametrize("algo,tree,draft_sampling,sampling", [
+    ("dspark", "vllm", "sample", SamplingParams(temperature=1.0, top_p=0.9)),
+    ("dflash", DynamicTreeSpec(topk=2, depth=2, num_nodes=4), "greedy", SamplingParams(temperature=0.6, top_p=0.9))],
+    ids=["dspark_vllm_iid_t1", "dflash_dynamic_t0.6"])
+def test_sampled_block_tree_loop_is_lossless(peaked_pair, algo, tree, draft_sampling, sampling):
+    """Block drafts' trees under sampling (DSpark's Markov children drawn i.i.d. per node, DFlash's
+    shared children of a dynamic tree) follow the target's exact joint distribution too."""
+    target, drafts = peaked_pair
+    _assert_follows_target(target, drafts[algo], tree, draft_sampling, sampling)
+
+
+def _assert_follows_target(target, draft, tree, draft_sampling, sampling):
     prompt = [5, 6, 7]
     res = tree_generate_ids(target, draft, [prompt] * N_SAMPLES, tree=TREES.get(tree, tree), max_new_tokens=3,
                             eos_token_ids=[], sampling=sampling, seed=4, prompt_bucket=4,

@@ -205,9 +205,16 @@ def test_cli_generate_with_draft_and_bench_on_cpu_8(ckpts, ref, tmp_path):
     assert d["speculative"]["tokens"] == d["target_only"]["tokens"] == 3 * NEW
     assert d["tokens_per_step"] == want["tokens_per_step"] and d["rounds"] == want["rounds"]
     assert d["cost"]["c"] > 0 and d["cost"]["target_step_ms"] > 0 and png.read_bytes()[:4] == b"\x89PNG"
+    # bench with the tree side, sharded (the tree above: its loop program is reused), and its cost probes
     r = CliRunner().invoke(app, ["bench", "-t", str(ckpts["target"]), "-d", str(ckpts["eagle3"]), "--prompts",
-                                 str(prompts), "--tree", "auto", "--no-progress", "--mesh", "cpu-8"])
-    assert r.exit_code == 2 and "runs on one device" in r.output, r.output
+                                 str(prompts), "--k", str(K), "-n", str(NEW), "-b", "4", "--no-chat", "--json",
+                                 "--no-progress", "--tree", "[(0,), (1,), (0, 0)]", "--mesh", "cpu-8"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output.strip().splitlines()[-1])
+    t = d["tree"]
+    assert d["mesh"] == doc["mesh"] and t["identical_greedy_outputs"] == "3/3" and t["nodes"] == 3
+    assert t["speculative"]["tokens"] == 3 * NEW and t["rounds"] > 0
+    assert t["cost"]["verify_ms"] > 0 and t["cost"]["draft_ms"] > 0 and t["cost"]["target_step_ms"] > 0
 
 
 def test_tree_loop_on_a_mesh_equals_single_device(ckpts, ref):

@@ -252,7 +252,12 @@ class TargetTaps:
       (:class:`~specjax.models.drafts.verifier_weights.VerifierFill`);
     - ``embed_trainable``: the draft may train its embedding (with ``embed_requires_grad``);
     - ``vocab_reduction``: the draft may predict over a pruned vocabulary (t2d / d2t);
-    - :meth:`max_proposal`: the most tokens one proposal holds (block drafts).
+    - :meth:`max_proposal`: the most tokens one proposal holds (block drafts);
+    - ``tree_drafting``: how a token tree's children are drafted (:mod:`specjax.decode.tree_loop`):
+      "chain" (one chain step per node from its parent's state: EAGLE-3, MTP), "parallel" (one
+      proposal whose depth-d logits ignore the drafted tokens, so every node of a depth has the
+      same children: P-EAGLE, DFlash), "markov" (the block once, the depth-d logits re-run with
+      each node's path fed: DSpark's Markov head), None (no trees).
 
     (Whether a checkpoint fits a verifier is a format fact: :func:`bridge.auditor.check_verifier`.)"""
 
@@ -261,6 +266,7 @@ class TargetTaps:
     verifier_fill: VerifierFill = VerifierFill()
     embed_trainable: bool = False
     vocab_reduction: bool = True
+    tree_drafting: str | None = None
 
     def tap_ids(self, num_target_layers: int) -> tuple[int, ...]:
         n = int(num_target_layers)

@@ -75,6 +75,7 @@ def block_mask(document_ids, anchors, block_size: int, *, window: int | None, no
 
 class DFlashDraft(TargetTaps, nnx.Module):
     algorithm = "dflash"
+    tree_drafting = "parallel"  # one block of mask tokens: no drafted token is fed back
     verifier_fill = VerifierFill(embed="always", lm_head="always_full_vocab", gemma_norm_offset=True)
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
@@ -264,9 +265,14 @@ class DFlashDraft(TargetTaps, nnx.Module):
                   k: int | None = None, sample: Callable = greedy, key=None):
         """Shared decode-loop entry (see ``ChainProposer.speculate``): extend the context with the
         new rows, then one block anchored at the token after the last real row, at its position + 1."""
+        k = self.num_block_tokens(k)  # refuse a k the block cannot draft before any work
+        return self.propose(*self.extend_anchor(cache, hidden_states, next_tokens, positions, n_valid=n_valid),
+                            sample=sample, key=key, k=k)
+
+    def extend_anchor(self, cache: DraftCache, hidden_states, next_tokens, positions, *, n_valid=None):
+        """:meth:`speculate`'s first half: the new rows into the context. Returns the cache, the
+        anchor tokens [B] (the token after the last real row) and their positions [B] (+1)."""
         B, n = next_tokens.shape
         nv = jnp.full((B,), n, jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
-        k = self.num_block_tokens(k)  # refuse a k the block cannot draft before any work
         cache = self.extend(cache, hidden_states, positions, nv)
-        return self.propose(cache, last_valid(next_tokens, nv), last_valid(positions, nv) + 1, sample=sample, key=key,
-                            k=k)
+        return cache, last_valid(next_tokens, nv), last_valid(positions, nv) + 1

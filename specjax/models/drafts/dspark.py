@@ -110,6 +110,11 @@ class ConfidenceHead(nnx.Module):
 class DSparkDraft(DFlashDraft):
     algorithm = "dspark"
 
+    @property
+    def tree_drafting(self) -> str:
+        # the Markov head conditions each slot on the token before it (DFlash's block without it)
+        return "markov" if self.markov_head is not None else "parallel"
+
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
                  verifier_norm_unit_offset: bool = False, verifier_heads: bool = True):
         rngs = rngs or nnx.Rngs(0)

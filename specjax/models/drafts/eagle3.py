@@ -66,6 +66,7 @@ class ChainProposer(TargetTaps):
     ``step(cache, tokens, hidden, positions, s)``."""
 
     token_position_offset = 0  # RoPE position of a context row = row position + this
+    tree_drafting = "chain"
 
     def speculate(self, cache: DraftCache, hidden_states, next_tokens, positions, *, n_valid=None,
                   k: int | None = None, sample: Callable = greedy, key=None) -> Proposal:

@@ -57,6 +57,7 @@ class PEagleDraft(Eagle3Draft):
     algorithm = "peagle"
     embed_trainable = True  # speculators' P-EAGLE config always has embed_requires_grad
     token_position_offset = 0  # training RoPE positions are packed-row indices of the aux rows
+    tree_drafting = "parallel"  # the mask rows' logits do not see the drafted tokens
 
     def __init__(self, config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
                  verifier_norm_unit_offset: bool = False, verifier_heads: bool = True):
