@@ -44,29 +44,14 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     ``mesh``: inputs and caches placed as the sharded loop places them (batch over data/fsdp,
     heads over tensor; ``batch`` is padded to a multiple of data x fsdp), params as in ``split``
     (default :func:`specjax.decode.speculative.place_pair`)."""
-    if mesh is not None:
-        batch = shd.pad_batch(batch, mesh)
-        if split is None:
-            split = place_pair(target, draft, mesh)
-    graphdef, state = split if split is not None else split_pair(target, draft)
-    if mesh is None:  # the weights the single-device loop runs on (speculative_generate_ids)
-        state = panels.decode_state(Pair(target, draft), state)
+    batch, graphdef, state, put, put_cache = probe_setup(target, draft, batch=batch, mesh=mesh, split=split)
     cfg = target.config
     S = prompt_len + max_new_tokens
     fill_host = np.full((batch,), prompt_len + max_new_tokens // 2, np.int32)
-    fill = jnp.asarray(fill_host)
+    fill = put(fill_host)
     dtype = target.model.embed_tokens.embedding[...].dtype
-    tcache = KVCache.init(cfg, batch, S, dtype, lengths=fill)
+    tcache = put_cache(KVCache.init(cfg, batch, S, dtype, lengths=fill_host))
     taps = tuple(draft.tap_ids(cfg.num_hidden_layers))
-
-    def put(x, ndim=None):
-        if mesh is None:
-            return x
-        return shd.put(np.asarray(x), shd.batch_sharding(mesh, np.ndim(x) if ndim is None else ndim))
-
-    if mesh is not None:
-        tcache = jax.tree.map(lambda x, sh: shd.put(np.asarray(x), sh), tcache, shd.kv_cache_sharding(mesh, tcache))
-        fill = put(fill)
 
     # Each probe runs `reps` rounds in one call (a traced trip count: one compile), every round
     # fed by the previous one's tokens, and a round costs the difference between 2R and R rounds
@@ -81,7 +66,7 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     idsk = put(np.ones((batch, k + 1), np.int32))
     run_step, run_verify = cycled(step, tstate, ids1, tcache), cycled(verify, tstate, idsk, tcache)
     # the draft round's target rows (their values do not change its cost)
-    aux = tuple(put(np.ones((batch, k + 1, cfg.hidden_size), np.dtype(dtype)), 3) for _ in taps)
+    aux = tuple(put(np.ones((batch, k + 1, cfg.hidden_size), np.dtype(dtype))) for _ in taps)
     draft_round = draft_round_probe(graphdef, batch=batch, cache_len=S + 2 * (k + 1), k=k, dtype=dtype, mesh=mesh)
     pos = put(fill_host[:, None] + np.arange(k + 1, dtype=np.int32)[None])
     nv = put(np.full((batch,), k + 1, np.int32))
@@ -93,6 +78,31 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     return {"target_step_ms": round(1e3 * t_step, 3), "verify_ms": round(1e3 * t_verify, 3),
             "draft_round_ms": round(1e3 * t_draft, 3), "c": t_draft / (k * t_step),
             "verify_overhead": t_verify / t_step}
+
+
+def probe_setup(target, draft, *, batch: int, mesh=None, split=None):
+    """What the cost probes run on, as the loops run: ``(batch, graphdef, state, put, put_cache)``.
+    One device: the pair's panel view (the weights the single-device loops stream), host arrays
+    as they are. A mesh (more than one device): ``batch`` padded to a multiple of data x fsdp,
+    params as in ``split`` (default :func:`specjax.decode.speculative.place_pair`), ``put(x)``
+    splits a host array by batch, ``put_cache(cache)`` places a KV cache by batch and heads."""
+    if mesh is not None and mesh.size <= 1:
+        mesh = None
+    if mesh is not None:
+        batch = shd.pad_batch(batch, mesh)
+        if split is None:
+            split = place_pair(target, draft, mesh)
+    graphdef, state = split if split is not None else split_pair(target, draft)
+    if mesh is None:
+        return batch, graphdef, panels.decode_state(Pair(target, draft), state), jnp.asarray, lambda c: c
+
+    def put(x):
+        x = np.asarray(x)
+        return shd.put(x, shd.batch_sharding(mesh, x.ndim))
+
+    def put_cache(cache):
+        return jax.tree.map(lambda x, sh: shd.put(np.asarray(x), sh), cache, shd.kv_cache_sharding(mesh, cache))
+    return batch, graphdef, state, put, put_cache
 
 
 def draft_round_probe(graphdef, *, batch: int, cache_len: int, k: int, dtype, mesh=None):

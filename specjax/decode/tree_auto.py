@@ -29,17 +29,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import sharding as shd
-from specjax.decode.costs import best_interleaved, cycled, per_round, probe_step, probe_verify, target_split
+from specjax.decode.costs import (
+    best_interleaved, cycled, per_round, probe_setup, probe_step, probe_verify, target_split,
+)
 from specjax.decode.generate import pin_cache
-from specjax.decode.speculative import Pair, place_pair, split_pair
 from specjax.decode.tree import TokenTree
 from specjax.decode.tree_loop import DynamicTreeSpec, propose_tree
-from specjax.models import panels
 from specjax.models.target import KVCache
 
 # node counts tried by ``--tree auto`` (those the calibrated table can fill)
@@ -131,15 +129,7 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
     a chain mask of its size (same rows, same cost). ``mesh``: placed as the sharded tree loop
     places them (batch padded to a multiple of data x fsdp and split, heads over tensor; params as
     in ``split``, default :func:`specjax.decode.speculative.place_pair`)."""
-    if mesh is not None and mesh.size <= 1:
-        mesh = None
-    if mesh is not None:
-        batch = shd.pad_batch(batch, mesh)
-        if split is None:
-            split = place_pair(target, draft, mesh)
-    graphdef, state = split if split is not None else split_pair(target, draft)
-    if mesh is None:  # the weights the single-device loop runs on
-        state = panels.decode_state(Pair(target, draft), state)
+    batch, graphdef, state, put, put_cache = probe_setup(target, draft, batch=batch, mesh=mesh, split=split)
     cfg = target.config
     dtype = target.model.embed_tokens.embedding[...].dtype
     fill_host = np.full((batch,), prompt_len + max_new_tokens // 2, np.int32)
@@ -147,15 +137,9 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
     S = prompt_len + max_new_tokens + maxn + 1
     tgraph, tstate = target_split(graphdef, state)
     taps = tuple(draft.tap_ids(cfg.num_hidden_layers))
-
-    def put(x):
-        x = np.asarray(x)
-        return jnp.asarray(x) if mesh is None else shd.put(x, shd.batch_sharding(mesh, x.ndim))
-
     fill = put(fill_host)
-    cache = KVCache.init(cfg, batch, S, dtype, lengths=fill_host)  # each probe donates its own copy
-    if mesh is not None:
-        cache = jax.tree.map(lambda x, sh: shd.put(np.asarray(x), sh), cache, shd.kv_cache_sharding(mesh, cache))
+    cache = put_cache(KVCache.init(cfg, batch, S, dtype, lengths=fill_host))  # each probe donates its own copy
+    mesh = mesh if mesh is not None and mesh.size > 1 else None
 
     def verify_call(tree):
         n1 = tree.num_nodes + 1
