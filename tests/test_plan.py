@@ -257,3 +257,20 @@ def test_verify_cost_is_flat_in_the_tree_size_on_v5e(cfg):
     assert a.bound == b.bound == "memory" and a.fits
     assert b.flops == pytest.approx(8 * a.flops, rel=0.05)
     assert b.bytes < 1.5 * a.bytes and b.roofline_ms < 1.5 * a.roofline_ms
+
+
+def test_tree_round_compiles_on_v5e(cfg):
+    """The tree program ('tree': the tree loop and one round) on v5e-8 with vLLM's example tree
+    (5 nodes, depth 3): compiles, fits, has no CPU kernel, counts a deepest path's tokens per
+    round, and its round streams about what a k=3 chain round does (the verify's 6 rows against
+    4 and the batched drafting of a depth's nodes barely move the bytes; the weights dominate)."""
+    from specjax.plan.topology import chip_of
+
+    chain, tree = plan(cfg, "v5e:2x4", programs="speculate,tree", target_overrides=LAYERS, k=3, prompt_len=64,
+                       new_tokens=32)
+    for r in (chain, tree):
+        _check_row(r, chip_of("v5e:2x4"))
+        assert r.per == "step"
+    assert tree.program == "tree" and (tree.shape["nodes"], tree.shape["depth"]) == (5, 3) and tree.tokens == 4
+    assert chain.hbm_bytes <= tree.hbm_bytes < 1.3 * chain.hbm_bytes, (chain.hbm_bytes, tree.hbm_bytes)
+    assert tree.flops > chain.flops  # more verified rows and drafted nodes

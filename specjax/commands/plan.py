@@ -21,7 +21,8 @@ def plan_cmd(
     mesh: str = typer.Option("data=1,tensor=-1", "--mesh",
                              help="mesh preset, YAML file or inline sizes over the slice's chips"),
     programs: str = typer.Option("train,extract,generate,speculate", "--programs",
-                                 help="comma-separated: train, extract, generate, speculate, verify (k + 1 rows)"),
+                                 help="comma-separated: train, extract, generate, speculate, verify (k + 1 rows), "
+                                 "tree (the tree loop and one tree round)"),
     batch: Optional[int] = typer.Option(None, "--batch", min=1,
                                         help="rows (train/extract; default data x fsdp) or sequences (decode; default 1)"),
     seq: Optional[int] = typer.Option(None, "--seq", min=8, help="train/extract row length (default data.total_seq_len)"),
@@ -29,6 +30,8 @@ def plan_cmd(
     new_tokens: int = typer.Option(2048, "--new-tokens", min=1, help="decode: max new tokens"),
     k: Optional[int] = typer.Option(None, "--k", min=1, help="speculate: draft tokens per round; verify: drafted tokens or tree nodes, k + 1 rows "
                                    "(default loss.ttt_steps)"),
+    tree: Optional[str] = typer.Option(None, "--tree", help="tree program: vLLM's speculative_token_tree path list "
+                                       "(default \"[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]\")"),
     target: Optional[str] = typer.Option(None, "--target",
                                          help="target config: a config.json, an HF dir, a cached hub id or a preset "
                                               "hub id (default: the recipe's target)"),
@@ -49,7 +52,7 @@ def plan_cmd(
         cfg = load_recipe(config, list(overrides))
         rows = plan(cfg, topology, mesh=mesh, programs=programs, target=target,
                     target_overrides=None if layers is None else {"num_hidden_layers": layers}, batch=batch, seq=seq,
-                    prompt_len=prompt_len, new_tokens=new_tokens, k=k,
+                    prompt_len=prompt_len, new_tokens=new_tokens, k=k, tree=tree,
                     on_report=None if as_json else lambda r: c.print(_line(r)))
     except (PlanError, TopologyError, ShardingError, TrainError, BridgeError) as e:
         fail(e)

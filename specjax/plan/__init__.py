@@ -32,13 +32,14 @@ def parse_programs(text: str | Sequence[str] | None) -> list[str]:
 
 def plan(cfg, topology: str, *, mesh=DEFAULT_MESH, programs=None, target=None, target_overrides: dict | None = None,
          batch: int | None = None, seq: int | None = None, prompt_len: int = 2048, new_tokens: int = 2048,
-         k: int | None = None, on_report=None) -> list[ProgramReport]:
+         k: int | None = None, tree: str | None = None, on_report=None) -> list[ProgramReport]:
     """Compile ``programs`` of recipe ``cfg`` (a ``TrainConfig``) for ``topology`` (``v5e:2x4``, ...)
     on ``mesh`` (a preset, file or inline sizes) and report each. ``target``: a config.json, a
     directory, a cached hub id or a preset id (default: the recipe's ``target``);
     ``target_overrides``: config keys to replace (a scaled-down target). A program that fails to
     build or compile is reported with its error, the others still run. JAX's persistent
     compilation cache is off while planning, so ``compile_s`` is the compiler's real time.
+    ``tree``: the token tree of the ``tree`` program (vLLM's path list; default vLLM's example).
     ``on_report(report)`` is called as each row is done."""
     import jax
 
@@ -46,7 +47,8 @@ def plan(cfg, topology: str, *, mesh=DEFAULT_MESH, programs=None, target=None, t
     chip = chip_of(topology)
     m = tpu_mesh(topology, mesh)
     tc = target_config_for(target or cfg.target, overrides=target_overrides)
-    inputs = PlanInputs(cfg, tc, m, batch=batch, seq=seq, prompt_len=prompt_len, new_tokens=new_tokens, k=k)
+    inputs = PlanInputs(cfg, tc, m, batch=batch, seq=seq, prompt_len=prompt_len, new_tokens=new_tokens, k=k,
+                        tree=tree)
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     out = []

@@ -27,6 +27,8 @@ from specjax.decode.generate import DecodeState, decode_step, padded_mesh_inputs
 from specjax.decode.speculative import (
     GREEDY, SpecParams, SpecState, draft_dtype_of, place_pair, sharded_spec_fn, spec_round, split_pair,
 )
+from specjax.decode.tree import parse_tree
+from specjax.decode.tree_loop import Drafted, TreeState, check_tree_draft, sharded_tree_fn, tree_round
 from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
 from specjax.models.drafts.load import build_draft
@@ -39,8 +41,9 @@ from specjax.train.optim import build_optimizer
 from specjax.train.sharded import BATCH_NDIM, step_shardings
 from specjax.train.step import make_step_fns
 
-PROGRAMS = ("train", "extract", "generate", "speculate", "verify")
-DEFAULT_PROGRAMS = PROGRAMS[:4]  # verify: on request (a sweep over tree sizes)
+PROGRAMS = ("train", "extract", "generate", "speculate", "verify", "tree")
+DEFAULT_PROGRAMS = PROGRAMS[:4]  # verify (a sweep over tree sizes) and tree: on request
+DEFAULT_TREE = "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"  # vLLM's speculative_token_tree example
 
 
 class PlanError(ValueError):
@@ -73,6 +76,7 @@ class PlanInputs:
     prompt_len: int = 2048  # decode: padded prompt length
     new_tokens: int = 2048  # decode: max_new_tokens (cache = prompt_len + new_tokens slots)
     k: int | None = None  # speculate: draft tokens per round (default loss.ttt_steps)
+    tree: str | None = None  # tree: a speculative_token_tree path list (default DEFAULT_TREE)
     target_dtype: object = jnp.bfloat16
 
 
@@ -320,5 +324,53 @@ def verify_program(p: PlanInputs) -> Program:
                    notes=[f"one verify of {T} rows per sequence (k = {k} drafted tokens or tree nodes)"])
 
 
+def tree_program(p: PlanInputs) -> Program:
+    """The tree loop (``sharded_tree_fn``) with the recipe's draft and a static token tree
+    (``p.tree``, vLLM's path list), and one tree round (``tree_round``: the verify of N + 1 rows
+    with the tree mask, acceptance, cache compaction, the hand-off and the next tree's drafting)."""
+    mesh = p.mesh
+    target = abstract_target(p)
+    draft = build_draft(draft_config(p), param_dtype=p.target_dtype, abstract=True, verifier_heads=False)
+    tree = parse_tree(p.tree or DEFAULT_TREE)
+    check_tree_draft(draft, tree)
+    graphdef, state = place_pair(target, draft, mesh, split=split_pair(target, draft))
+    b, _ = _decode_batch(p)
+    P, new, N, D = b.padded_len, int(p.new_tokens), tree.num_nodes, tree.max_depth
+    max_len, draft_len = P + new + N + 1, P + new + 2 * (D + 1)
+    cdt, ddt = jnp.dtype(p.target_dtype), draft_dtype_of(draft)
+    rep = shd.replicated(mesh)
+    inputs = padded_mesh_inputs(b, mesh, 0, abstract=True)
+    fn = sharded_tree_fn(mesh, state)
+    full = lambda: fn.lower(state, *inputs, graphdef, tree, GREEDY, new, max_len, draft_len, b.pad, cdt,  # noqa: E731
+                            ddt, "greedy", False)
+
+    Bp = inputs[0].shape[0]
+    dec, dec_sh = _decode_state(p, Bp, max_len, cdt)
+    dcache = jax.eval_shape(lambda: draft.init_cache(Bp, kt.cache_slots(draft_len, mesh), ddt))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    C = tree.children.shape[1]
+    drafted = Drafted(i32(Bp, N + 1), i32(Bp, N + 1), jax.ShapeDtypeStruct((Bp, N + 1, N + 1), bool),
+                      i32(Bp, N + 1, C), jax.ShapeDtypeStruct((1,), jnp.float32))
+    st = TreeState(dec, dcache, drafted, i32(Bp, D + 1), i32(Bp, N + 1))
+    st_sh = TreeState(dec_sh, shd.kv_cache_sharding(mesh, dcache),
+                      Drafted(*(_batch_or_rep(mesh, x) for x in drafted[:4]), rep),
+                      _batch_or_rep(mesh, st.hist), _batch_or_rep(mesh, st.hits))
+    st = shd.abstract_with_shardings(st, st_sh)
+
+    def round_(state, s, eos):
+        with placement.building_for(mesh):
+            pair = nnx.merge(graphdef, state)
+            return tree_round(pair.target, pair.draft, s, eos, tree=tree, sampling=GREEDY, pad_id=b.pad, mesh=mesh)
+
+    round_j = jax.jit(round_, in_shardings=(shd.shardings_of(state), st_sh, rep), out_shardings=st_sh,
+                      donate_argnums=(1,))
+    B = int(b.ids.shape[0])
+    return Program("tree", {"batch": B, "prompt": P, "new_tokens": new, "nodes": N, "depth": D,
+                            "cache_slots": max_len, "draft": p.cfg.speculator_type}, full,
+                   step_lower=lambda: round_j.lower(state, st, inputs[4]), tokens=B * (D + 1),
+                   notes=[f"tokens per round when a deepest path is accepted: batch x (depth + 1) = {B * (D + 1)}",
+                          f"tree {[tuple(x) for x in tree.paths]}"])
+
+
 BUILDERS = {"train": train_program, "extract": extract_program, "generate": generate_program,
-            "speculate": speculate_program, "verify": verify_program}
+            "speculate": speculate_program, "verify": verify_program, "tree": tree_program}
