@@ -17,4 +17,6 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_CO
 # end-to-end tests got faster.  Every test and subprocess compiles alike (tests/sharding/eight.py and
 # the multi-process tests pass these flags on); SPECJAX_TEST_XLA_FLAGS="" tests the optimised codegen.
 export XLA_FLAGS="${SPECJAX_TEST_XLA_FLAGS---xla_backend_optimization_level=0} ${XLA_FLAGS:-}"
-exec "$ROOT/.venv/bin/python" -m pytest -q -n 2 --dist loadfile --durations=15 "$@"
+# --max-worker-restart=0: a worker that dies (a segfault in native code) fails the run at once and names its
+# test; with restarts, xdist's loadfile scheduler can wait forever for the replacement (pytest-xdist #784)
+exec "$ROOT/.venv/bin/python" -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=15 "$@"
