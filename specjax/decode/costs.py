@@ -44,7 +44,7 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
     ``mesh``: inputs and caches placed as the sharded loop places them (batch over data/fsdp,
     heads over tensor; ``batch`` is padded to a multiple of data x fsdp), params as in ``split``
     (default :func:`specjax.decode.speculative.place_pair`)."""
-    batch, graphdef, state, put, put_cache = probe_setup(target, draft, batch=batch, mesh=mesh, split=split)
+    batch, graphdef, state, put, put_cache, mesh = probe_setup(target, draft, batch=batch, mesh=mesh, split=split)
     cfg = target.config
     S = prompt_len + max_new_tokens
     fill_host = np.full((batch,), prompt_len + max_new_tokens // 2, np.int32)
@@ -81,7 +81,8 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
 
 
 def probe_setup(target, draft, *, batch: int, mesh=None, split=None):
-    """What the cost probes run on, as the loops run: ``(batch, graphdef, state, put, put_cache)``.
+    """What the cost probes run on, as the loops run: ``(batch, graphdef, state, put, put_cache,
+    mesh)`` (``mesh`` None for one device).
     One device: the pair's panel view (the weights the single-device loops stream), host arrays
     as they are. A mesh (more than one device): ``batch`` padded to a multiple of data x fsdp,
     params as in ``split`` (default :func:`specjax.decode.speculative.place_pair`), ``put(x)``
@@ -94,7 +95,7 @@ def probe_setup(target, draft, *, batch: int, mesh=None, split=None):
             split = place_pair(target, draft, mesh)
     graphdef, state = split if split is not None else split_pair(target, draft)
     if mesh is None:
-        return batch, graphdef, panels.decode_state(Pair(target, draft), state), jnp.asarray, lambda c: c
+        return batch, graphdef, panels.decode_state(Pair(target, draft), state), jnp.asarray, lambda c: c, None
 
     def put(x):
         x = np.asarray(x)
@@ -102,7 +103,7 @@ def probe_setup(target, draft, *, batch: int, mesh=None, split=None):
 
     def put_cache(cache):
         return jax.tree.map(lambda x, sh: shd.put(np.asarray(x), sh), cache, shd.kv_cache_sharding(mesh, cache))
-    return batch, graphdef, state, put, put_cache
+    return batch, graphdef, state, put, put_cache, mesh
 
 
 def draft_round_probe(graphdef, *, batch: int, cache_len: int, k: int, dtype, mesh=None):

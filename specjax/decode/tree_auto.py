@@ -129,7 +129,7 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
     a chain mask of its size (same rows, same cost). ``mesh``: placed as the sharded tree loop
     places them (batch padded to a multiple of data x fsdp and split, heads over tensor; params as
     in ``split``, default :func:`specjax.decode.speculative.place_pair`)."""
-    batch, graphdef, state, put, put_cache = probe_setup(target, draft, batch=batch, mesh=mesh, split=split)
+    batch, graphdef, state, put, put_cache, mesh = probe_setup(target, draft, batch=batch, mesh=mesh, split=split)
     cfg = target.config
     dtype = target.model.embed_tokens.embedding[...].dtype
     fill_host = np.full((batch,), prompt_len + max_new_tokens // 2, np.int32)
@@ -139,7 +139,6 @@ def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len
     taps = tuple(draft.tap_ids(cfg.num_hidden_layers))
     fill = put(fill_host)
     cache = put_cache(KVCache.init(cfg, batch, S, dtype, lengths=fill_host))  # each probe donates its own copy
-    mesh = mesh if mesh is not None and mesh.size > 1 else None
 
     def verify_call(tree):
         n1 = tree.num_nodes + 1

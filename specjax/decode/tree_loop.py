@@ -65,7 +65,6 @@ from specjax.decode.tree import TokenTree, accept_tree, compact_cache, dynamic_t
 from specjax.kernels import tpu as kt
 from specjax.models import panels
 from specjax.models.drafts.common import d2t_of, last_rows, last_valid
-from specjax.models.drafts.eagle3 import ChainProposer
 from specjax.models.drafts.vocab import draft_to_target
 from specjax.models.errors import ModelError
 from specjax.models.target import CausalLM
@@ -182,9 +181,7 @@ def _mode(draft, steps: bool | None) -> str:
     kind = getattr(draft, "tree_drafting", None)
     if kind in ("parallel", "markov"):
         return "block"
-    if steps is None:
-        steps = kind == "chain" and isinstance(draft, ChainProposer)
-    return "steps" if steps else "forced"
+    return "steps" if (kind == "chain" if steps is None else steps) else "forced"
 
 
 class _Block:

@@ -251,12 +251,25 @@ def generate_program(p: PlanInputs) -> Program:
                    step_lower=lambda: step_j.lower(params, st, inputs[4]), tokens=int(b.ids.shape[0]))
 
 
+def _abstract_pair(p: PlanInputs):
+    """The recipe's draft and the (target, draft) pair's abstract params placed on the plan's mesh:
+    (draft, graphdef, state)."""
+    target = abstract_target(p)
+    draft = build_draft(draft_config(p), param_dtype=p.target_dtype, abstract=True, verifier_heads=False)
+    graphdef, state = place_pair(target, draft, p.mesh, split=split_pair(target, draft))
+    return draft, graphdef, state
+
+
+def _draft_cache(p: PlanInputs, draft, Bp: int, draft_len: int, dtype):
+    """The abstract draft KV cache of ``Bp`` rows and its sharding, as the loops pin it."""
+    dcache = jax.eval_shape(lambda: draft.init_cache(Bp, kt.cache_slots(draft_len, p.mesh), dtype))
+    return dcache, shd.kv_cache_sharding(p.mesh, dcache)
+
+
 def speculate_program(p: PlanInputs) -> Program:
     """The speculative loop (``sharded_spec_fn``) with the recipe's draft, and one round."""
     mesh = p.mesh
-    target = abstract_target(p)
-    draft = build_draft(draft_config(p), param_dtype=p.target_dtype, abstract=True, verifier_heads=False)
-    graphdef, state = place_pair(target, draft, mesh, split=split_pair(target, draft))
+    draft, graphdef, state = _abstract_pair(p)
     k = int(p.k or p.cfg.loss.ttt_steps)
     params = SpecParams(k=k)
     b, _ = _decode_batch(p)
@@ -272,10 +285,10 @@ def speculate_program(p: PlanInputs) -> Program:
 
     Bp = inputs[0].shape[0]
     dec, dec_sh = _decode_state(p, Bp, max_len, cdt)
-    dcache = jax.eval_shape(lambda: draft.init_cache(Bp, kt.cache_slots(draft_len, mesh), ddt))
+    dcache, dcache_sh = _draft_cache(p, draft, Bp, draft_len, ddt)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     st = SpecState(dec, dcache, i32(Bp, k), jax.ShapeDtypeStruct((1,), jnp.float32), i32(Bp, k + 1), ())
-    st_sh = SpecState(dec_sh, shd.kv_cache_sharding(mesh, dcache), _batch_or_rep(mesh, st.prop), rep,
+    st_sh = SpecState(dec_sh, dcache_sh, _batch_or_rep(mesh, st.prop), rep,
                       _batch_or_rep(mesh, st.hist), ())
     st = shd.abstract_with_shardings(st, st_sh)
 
@@ -329,11 +342,9 @@ def tree_program(p: PlanInputs) -> Program:
     (``p.tree``, vLLM's path list), and one tree round (``tree_round``: the verify of N + 1 rows
     with the tree mask, acceptance, cache compaction, the hand-off and the next tree's drafting)."""
     mesh = p.mesh
-    target = abstract_target(p)
-    draft = build_draft(draft_config(p), param_dtype=p.target_dtype, abstract=True, verifier_heads=False)
+    draft, graphdef, state = _abstract_pair(p)
     tree = parse_tree(p.tree or DEFAULT_TREE)
     check_tree_draft(draft, tree)
-    graphdef, state = place_pair(target, draft, mesh, split=split_pair(target, draft))
     b, _ = _decode_batch(p)
     P, new, N, D = b.padded_len, int(p.new_tokens), tree.num_nodes, tree.max_depth
     max_len, draft_len = P + new + N + 1, P + new + 2 * (D + 1)
@@ -346,13 +357,13 @@ def tree_program(p: PlanInputs) -> Program:
 
     Bp = inputs[0].shape[0]
     dec, dec_sh = _decode_state(p, Bp, max_len, cdt)
-    dcache = jax.eval_shape(lambda: draft.init_cache(Bp, kt.cache_slots(draft_len, mesh), ddt))
+    dcache, dcache_sh = _draft_cache(p, draft, Bp, draft_len, ddt)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     C = tree.children.shape[1]
     drafted = Drafted(i32(Bp, N + 1), i32(Bp, N + 1), jax.ShapeDtypeStruct((Bp, N + 1, N + 1), bool),
                       i32(Bp, N + 1, C), jax.ShapeDtypeStruct((1,), jnp.float32))
     st = TreeState(dec, dcache, drafted, i32(Bp, D + 1), i32(Bp, N + 1))
-    st_sh = TreeState(dec_sh, shd.kv_cache_sharding(mesh, dcache),
+    st_sh = TreeState(dec_sh, dcache_sh,
                       Drafted(*(_batch_or_rep(mesh, x) for x in drafted[:4]), rep),
                       _batch_or_rep(mesh, st.hist), _batch_or_rep(mesh, st.hits))
     st = shd.abstract_with_shardings(st, st_sh)
