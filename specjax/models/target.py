@@ -274,8 +274,14 @@ class _Mode:
                                         scale=attn.scaling), nk, nv
             return attend(q, k, v, self.mask(w), scale=attn.scaling), nk, nv
         if self.kind in ("cache", "tree"):
-            k, v = write_cache(self.cache.k[i], self.slots, k), write_cache(self.cache.v[i], self.slots, v)
-            return self._attend_cache(attn, q, k, v, w), k, v
+            ck, cv = self.cache.k[i], self.cache.v[i]
+            nk, nv = write_cache(ck, self.slots, k), write_cache(cv, self.slots, v)
+            if self.kind == "tree" and self.pallas:
+                # the committed blocks of the cache as it was (the write does not touch them) on the kernel,
+                # the tree's own rows beside: the attention does not wait on the cache update
+                return kt.tree_cache_attention(q, ck, cv, k, v, self.cache.lengths, self.positions, self.tree_mask,
+                                               window=w, scale=attn.scaling), nk, nv
+            return self._attend_cache(attn, q, nk, nv, w), nk, nv
         if self.pallas:
             return kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, kv_valid=self.kv_valid),
                                     scale=attn.scaling), k, v
@@ -288,7 +294,6 @@ class _Mode:
             if panels.attention_fits(attn.q_proj, q, k) and panels.tree_fits(w, T):
                 return panels.tree_attention(q, k, v, self.positions, self.cache.lengths, self.tree_mask, window=w,
                                              scale=attn.scaling)
-            # XLA's masked attention (also in TPU programs: no Pallas tree kernel yet)
             return attend_cache(q, k, v, self.mask(w), scale=attn.scaling)
         if self.pallas:  # reads only the cache blocks at or before each query's position
             return kt.cache_attention(q, k, v, *kt.position_ranges(self.positions, w), scale=attn.scaling)

@@ -237,16 +237,16 @@ def peaked_pair(tmp_path_factory):
     return target, {a: load_spec_draft(str(p), target) for a, p in paths.items()}
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(temperature=1.0,
-                                                                                                  top_p=0.9)],
-                         ids=["t0.6_p0.9", "t1_p0.9"])
-@pytest.mark.parametrize("tree,draft_sampling", [("vllm", "greedy"), (DynamicTreeSpec(topk=2, depth=2, num_nodes=4),
-                                                                        "greedy"), ("vllm", "sample")],
-                         ids=["vllm", "dynamic", "vllm_iid"])
+@pytest.mark.parametrize("tree,draft_sampling,sampling", [
+    ("vllm", "greedy", SamplingParams(temperature=0.6, top_p=0.9)),
+    (DynamicTreeSpec(topk=2, depth=2, num_nodes=4), "greedy", SamplingParams(temperature=1.0, top_p=0.9)),
+    ("vllm", "sample", SamplingParams(temperature=1.0, top_p=0.9)),
+    ("vllm", "sample", SamplingParams(temperature=0.6, top_p=0.9))],
+    ids=["vllm-t0.6_p0.9", "dynamic-t1_p0.9", "vllm_iid-t1_p0.9", "vllm_iid-t0.6_p0.9"])
 def test_sampled_tree_loop_is_lossless(peaked_pair, sampling, tree, draft_sampling):
     """The first three tokens of 20 000 tree-loop samples (vLLM's tree, and a dynamic tree: two
-    siblings at depth 1; point-mass proposals, and i.i.d. sampled ones on vLLM's tree) follow the
-    target's exact joint distribution (chi-square)."""
+    siblings at depth 1; point-mass proposals, and i.i.d. sampled ones on vLLM's tree, at
+    temperatures 0.6 and 1) follow the target's exact joint distribution (chi-square)."""
     target, drafts = peaked_pair
     _assert_follows_target(target, drafts["eagle3"], tree, draft_sampling, sampling)
 

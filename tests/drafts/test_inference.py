@@ -30,6 +30,17 @@ def _chain_propose(draft, cache, aux, ids, pos, n_valid, forced, k):
     return draft.propose(cache, aux, ids, pos, k=k, n_valid=n_valid, forced=forced)
 
 
+@nnx.jit(static_argnames=("ttt_steps",))
+def _ttt(draft, b, ttt_steps):
+    """The EAGLE-3 training forward (jitted: eager TTT steps dispatch op by op)."""
+    return draft(**b, ttt_steps=ttt_steps)
+
+
+@nnx.jit
+def _extend(draft, cache, aux, ids, pos):
+    return draft.extend(cache, aux, ids, pos)
+
+
 # ----------------------------------------------------------------------------- EAGLE-3
 
 
@@ -40,14 +51,14 @@ def test_eagle3_chain_matches_ttt(draft_ckpt, verifiers, case):
     draft = load_draft(draft_ckpt("eagle3", fam, **kw), verifiers[fam])
     S = 4
     b = one_doc("eagle3", draft)
-    train = draft(**b, ttt_steps=S)  # logits [S, 1, T, Vd]
+    train = _ttt(draft, b, S)  # logits [S, 1, T, Vd]
     aux, ids, pos = b["hidden_states"], b["input_ids"], b["position_ids"]
     # two sequences in one batch, different lengths (ragged), context written in two extends
     bases = [9, 13]
     cache = draft.init_cache(2, 32)
     first = 6
-    cache = draft.extend(cache, jnp.concatenate([aux[:, :first]] * 2), jnp.concatenate([ids[:, :first]] * 2),
-                         jnp.concatenate([pos[:, :first]] * 2)).cache
+    cache = _extend(draft, cache, jnp.concatenate([aux[:, :first]] * 2), jnp.concatenate([ids[:, :first]] * 2),
+                    jnp.concatenate([pos[:, :first]] * 2)).cache
     n = max(bases) + 1 - first
     sl = slice(first, first + n)
     forced = jnp.stack([ids[0, j + 1:j + S] for j in bases])  # teacher forcing: step s feeds ids0[j + s]
@@ -67,9 +78,10 @@ def test_eagle3_chain_matches_ttt(draft_ckpt, verifiers, case):
         r = x[:, start:j2 + 1]
         return jnp.pad(r, [(0, 0), (0, 7 - r.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
-    prop2 = draft.propose(c2, jnp.concatenate([rows(aux, 10), rows(aux, 14)]),
-                          jnp.concatenate([rows(ids, 10), rows(ids, 14)]), jnp.concatenate([rows(pos, 10), rows(pos, 14)]),
-                          k=3, n_valid=jnp.asarray([7, 3]), forced=jnp.stack([ids[0, j2 + 1:j2 + 3]] * 2))
+    prop2 = _chain_propose(draft, c2, jnp.concatenate([rows(aux, 10), rows(aux, 14)]),
+                           jnp.concatenate([rows(ids, 10), rows(ids, 14)]),
+                           jnp.concatenate([rows(pos, 10), rows(pos, 14)]), jnp.asarray([7, 3]),
+                           jnp.stack([ids[0, j2 + 1:j2 + 3]] * 2), 3)
     for row in range(2):
         assert rel_err(prop2.logits[row], train.logits[:3, 0, j2]) <= TOL
 
@@ -77,8 +89,8 @@ def test_eagle3_chain_matches_ttt(draft_ckpt, verifiers, case):
 def test_eagle3_extend_logits_are_step0(draft_ckpt, verifiers):
     draft = load_draft(draft_ckpt("eagle3", "llama", norm_before_fc=True), verifiers["llama"])
     b = one_doc("eagle3", draft, T=12, seed=3)
-    train = draft(**b, ttt_steps=1)
-    out = draft.extend(draft.init_cache(1, 16), b["hidden_states"], b["input_ids"], b["position_ids"])
+    train = _ttt(draft, b, 1)
+    out = _extend(draft, draft.init_cache(1, 16), b["hidden_states"], b["input_ids"], b["position_ids"])
     assert rel_err(out.logits, train.logits[0]) <= TOL
     assert rel_err(out.hidden, train.hidden[0]) <= TOL
 
@@ -94,11 +106,13 @@ def test_peagle_parallel_matches_training(draft_ckpt, verifiers):
     bases = [7, 12]
     anchor = np.concatenate([np.arange(T)] + [np.asarray(bases)] * (K - 1))
     depth = np.concatenate([np.zeros(T, int)] + [np.full(len(bases), d) for d in range(1, K)])
-    train = draft(**b, anchor_pos=jnp.asarray(anchor), depth=jnp.asarray(depth))
+    train = nnx.jit(lambda draft, b, a, d: draft(**b, anchor_pos=a, depth=d))(draft, b, jnp.asarray(anchor),
+                                                                             jnp.asarray(depth))
     pos = jnp.arange(T)[None]  # P-EAGLE RoPE positions are packed-row indices
+    propose = nnx.jit(lambda draft, cache, aux, ids, pos: draft.propose(cache, aux, ids, pos, k=K))
     for j in bases:
         cache = draft.init_cache(1, 32)
-        prop = draft.propose(cache, b["hidden_states"][:, :j + 1], b["input_ids"][:, :j + 1], pos[:, :j + 1], k=K)
+        prop = propose(draft, cache, b["hidden_states"][:, :j + 1], b["input_ids"][:, :j + 1], pos[:, :j + 1])
         want = [train.logits[0, j]] + [train.logits[0, T + (d - 1) * len(bases) + bases.index(j)] for d in range(1, K)]
         assert rel_err(prop.logits[0], jnp.stack(want)) <= TOL
 
@@ -118,7 +132,7 @@ def test_block_matches_training(draft_ckpt, verifiers, algo, fam, kw):
     b = one_doc(algo, draft, T=22, seed=2)
     Bk = draft.block_size
     anchors = jnp.asarray([3, 9, 14])
-    train = draft(**b, anchor_positions=anchors)
+    train = nnx.jit(lambda draft, b, a: draft(**b, anchor_positions=a))(draft, b, anchors)
     first = 0 if draft.sample_from_anchor else 1
 
     @nnx.jit
@@ -145,18 +159,18 @@ def test_block_matches_training(draft_ckpt, verifiers, algo, fam, kw):
 def test_mtp_step0_and_chain(draft_ckpt, verifiers):
     draft = load_draft(draft_ckpt("mtp", "qwen3"), verifiers["qwen3"])
     b = one_doc("mtp", draft, T=16, seed=4)
-    train = draft(**b)
+    train = nnx.jit(lambda draft, b: draft(**b))(draft, b)
     y, ids, pos = b["hidden_states"], b["input_ids"], b["position_ids"]
     Tv = train.logits.shape[2]
     # step 0 over the context rows is the training step 0 (row t: token x_{t+1}, hidden y_t, pos(t))
-    ext = draft.extend(draft.init_cache(1, 24), y[:, :Tv], ids[:, 1:Tv + 1], pos[:, :Tv])
+    ext = _extend(draft, draft.init_cache(1, 24), y[:, :Tv], ids[:, 1:Tv + 1], pos[:, :Tv])
     assert rel_err(ext.logits, train.logits[0]) <= TOL
     # chain steps == writing the same rows as context (incremental == batched)
     t = 9
-    prop = draft.propose(draft.init_cache(1, 24), y[:, :t + 1], ids[:, 1:t + 2], pos[:, :t + 1], k=3,
-                         forced=ids[:, t + 2:t + 4])
+    prop = _chain_propose(draft, draft.init_cache(1, 24), y[:, :t + 1], ids[:, 1:t + 2], pos[:, :t + 1], None,
+                          ids[:, t + 2:t + 4], 3)
     assert rel_err(prop.logits[0, 0], train.logits[0, 0, t]) <= TOL
-    c = draft.extend(draft.init_cache(1, 24), y[:, :t + 1], ids[:, 1:t + 2], pos[:, :t + 1])
+    c = _extend(draft, draft.init_cache(1, 24), y[:, :t + 1], ids[:, 1:t + 2], pos[:, :t + 1])
     h = c.hidden[:, -1]
     c = c.cache
     for s in (1, 2):

@@ -172,6 +172,66 @@ def test_decode_draft_chain_ranges_and_empty_rows():
     assert err(out[1], attend(q[1:], k[1:], v[1:])[0]) <= F32_TOL
 
 
+def _tree_case(B=3, T=6, Hq=8, Hkv=2, D=128, S=384, dtype=jnp.float32):
+    """A token-tree verify as the target runs it: T nodes of vLLM's example tree plus a root row,
+    written at slots ``lengths + t`` of a cache whose slots past the tree hold NaN."""
+    from specjax.decode.tree import TokenTree
+
+    tree = TokenTree.from_paths([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    tm = jnp.asarray(tree.mask)
+    assert tm.shape == (T, T)
+    lengths = jnp.array([0, 150, 378 - T])[:B]  # an empty committed prefix, a block edge, nearly full
+    q_pos = lengths[:, None] + jnp.asarray(tree.depth)[None]
+    q = rnd(0, (B, T, Hq, D), dtype)
+    nk, nv = rnd(1, (B, T, Hkv, D), dtype), rnd(2, (B, T, Hkv, D), dtype)
+    k, v = rnd(3, (B, Hkv, S, D), dtype), rnd(4, (B, Hkv, S, D), dtype)
+    slots = lengths[:, None] + jnp.arange(T)[None]
+    k = jax.vmap(lambda c, s, n: c.at[:, s].set(jnp.swapaxes(n, 0, 1)))(k, slots, nk)
+    v = jax.vmap(lambda c, s, n: c.at[:, s].set(jnp.swapaxes(n, 0, 1)))(v, slots, nv)
+    return q, k, v, nk, nv, lengths, q_pos, tm
+
+
+@pytest.mark.parametrize("dtype,window", [(jnp.float32, None), (jnp.float32, 40), (jnp.bfloat16, None)])
+def test_tree_verify_kernel_matches_the_tree_mask(dtype, window):
+    """The Pallas tree verify (committed blocks on the decode kernel with its log-sum-exp, merged
+    with the tree rows) equals XLA's attention over ``tree_cache_mask``, with an empty committed
+    prefix, a sliding window and GQA; NaN in the slots past the tree never reaches the output."""
+    from specjax.models.layers import tree_cache_mask
+
+    q, k, v, nk, nv, lengths, q_pos, tm = _tree_case(dtype=dtype)
+    S = k.shape[2]
+    ref = attend_cache(q, k, v, tree_cache_mask(q_pos, lengths, tm, S, sliding_window=window))
+    stale = jnp.arange(S)[None, None, :, None] >= (lengths + tm.shape[0])[:, None, None, None]
+    kn, vn = jnp.where(stale, jnp.nan, k), jnp.where(stale, jnp.nan, v)
+    run = jax.jit(lambda *a: kt.tree_cache_attention(*a, window=window, interpret=True, block_kv=128))
+    out = run(q, kn, vn, nk, nv, lengths, q_pos, tm)
+    assert out.dtype == q.dtype and not bool(jnp.any(jnp.isnan(out)))
+    assert err(out, ref) <= (F32_TOL if dtype == jnp.float32 else BF16_TOL)
+
+
+def test_decode_lse_is_the_logits_logsumexp():
+    """``return_lse``: each query head's log-sum-exp over its range (-inf for an empty range), and
+    two disjoint ranges merged by :func:`merge_attention` give attention over their union."""
+    B, T, Hq, Hkv, D, S = 2, 3, 4, 2, 128, 256
+    q, k, v = rnd(0, (B, T, Hq, D)), rnd(1, (B, Hkv, S, D)), rnd(2, (B, Hkv, S, D))
+    lo, hi = jnp.array([[0, 5, 9], [4, 0, 3]]), jnp.array([[99, 130, 8], [200, 255, 60]])  # [9, 8]: empty
+    run = jax.jit(lambda lo, hi: kt.decode_attention(q, k, v, lo, hi, interpret=True, block_kv=128,
+                                                     return_lse=True))
+    out, lse = run(lo, hi)
+    kk = jnp.repeat(k, Hq // Hkv, axis=1)  # [B, Hq, S, D]
+    s = jnp.einsum("bthd,bhsd->bths", q, kk) * D ** -0.5
+    j = jnp.arange(S)
+    vis = (j >= lo[..., None, None]) & (j <= hi[..., None, None])
+    want = jax.nn.logsumexp(jnp.where(vis, s, -jnp.inf), axis=-1)
+    assert bool(jnp.isneginf(lse[0, 2]).all()) and float(jnp.abs(out[0, 2]).max()) == 0.0
+    fin = jnp.isfinite(want)
+    assert float(jnp.max(jnp.abs(jnp.where(fin, lse - want, 0.0)))) <= F32_TOL
+    mid = (lo + hi) // 2
+    a, la = run(lo, mid)
+    b, lb = run(mid + 1, hi)
+    assert err(kt.merge_attention(a, la, b, lb), out) <= F32_TOL
+
+
 def test_errors_name_what_was_found():
     q, k = jnp.zeros((1, 8, 3, 64)), jnp.zeros((1, 8, 2, 64))
     with pytest.raises(kt.KernelShapeError, match="query heads 3 are not a multiple of kv heads 2"):
@@ -312,10 +372,11 @@ def _tpu_path_vs_xla(fn, *args):
 
 def test_target_tpu_path_matches_xla():
     """CausalLM on the TPU path: no cache (with padding), prefill into a cache then a 3-token
-    verify step, and a packed prefill of two sequences plus padding give the XLA path's logits
-    and caches (float32, <= 1e-5)."""
+    verify step or a 6-node token-tree verify, and a packed prefill of two sequences plus padding
+    give the XLA path's logits and caches (float32, <= 1e-5)."""
     from flax import nnx
 
+    from specjax.decode.tree import TokenTree
     from specjax.models.config import TargetConfig
     from specjax.models.target import KVCache, build_model
     from tests.sharding.tiny import target_config
@@ -329,6 +390,7 @@ def test_target_tpu_path_matches_xla():
     am = jnp.arange(T)[None] < lens[:, None]
     seg = jnp.array([0] * 7 + [1] * 9 + [2] * 4)  # 2 >= B: padding
     ppos = jnp.array(list(range(7)) + list(range(9)) + [0] * 4)[None]
+    tree_mask = jnp.asarray(TokenTree.from_paths([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]).mask)
 
     def fwd(st):
         m = nnx.merge(gd, st)
@@ -336,8 +398,10 @@ def test_target_tpu_path_matches_xla():
         pre = m(ids, cache=KVCache.init(m.config, B, 64), attention_mask=am,
                 positions=jnp.broadcast_to(jnp.arange(T), (B, T)))
         ver = m(ids[:, :3], cache=pre.cache)
+        tree = m(ids[:, 3:9], cache=pre.cache, tree_mask=tree_mask)  # vLLM's example tree and its root
         packed = m(ids[:1], cache=KVCache.init(m.config, B, 64), segments=seg, positions=ppos)
-        return plain, pre.logits, ver.logits, ver.cache.k, packed.logits[0, :16], packed.cache.v
+        return (plain, pre.logits, ver.logits, ver.cache.k, tree.logits, tree.cache.v, packed.logits[0, :16],
+                packed.cache.v)
 
     got, ref = _tpu_path_vs_xla(fwd, st)
     keep = np.asarray(am)[..., None]

@@ -31,9 +31,11 @@ def test_fast_forward_equals_module(spec_draft, verifiers, case, chunk):
     draft = load_draft(spec_draft("eagle3", fam, **kw), verifiers[fam])
     b = packed_batch("eagle3", hidden=32, num_aux=3, vocab=96, lengths=(9, 6, 11, 3), total_len=34, seed=7)
     inp = {k: jnp.asarray(v.numpy()) for k, v in b.items()}
-    ref = draft(**inp, ttt_steps=4)
-    out = ttt_forward(draft, inp["hidden_states"], inp["input_ids"], inp["document_ids"], inp["position_ids"],
-                      inp["verifier_last_hidden_states"], ttt_steps=4, attn_chunk=chunk)
+    # jitted (op-by-op dispatch of the eager forwards and gradients took most of this test's time)
+    ref = nnx.jit(lambda d, inp: d(**inp, ttt_steps=4))(draft, inp)
+    out = nnx.jit(lambda d, inp: ttt_forward(d, inp["hidden_states"], inp["input_ids"], inp["document_ids"],
+                                             inp["position_ids"], inp["verifier_last_hidden_states"], ttt_steps=4,
+                                             attn_chunk=chunk))(draft, inp)
     assert rel_err(out.logits, ref.logits) <= 1e-5
     assert rel_err(out.hidden, ref.hidden) <= 1e-5
     assert rel_err(out.targets, ref.targets) == 0.0
@@ -47,8 +49,8 @@ def test_fast_forward_equals_module(spec_draft, verifiers, case, chunk):
              else m(**inp, ttt_steps=3))
         return eagle3_objective(o.logits, o.targets, inp["loss_mask"])[0]
 
-    g_ref = nnx.to_flat_state(jax.grad(lambda p: loss(p, False))(params))
-    g_fast = dict(nnx.to_flat_state(jax.grad(lambda p: loss(p, True))(params)))
+    g_ref = nnx.to_flat_state(jax.jit(jax.grad(lambda p: loss(p, False)))(params))
+    g_fast = dict(nnx.to_flat_state(jax.jit(jax.grad(lambda p: loss(p, True)))(params)))
     for path, v in g_ref:
         a = v[...]
         if float(jnp.abs(a).max()) > 0:

@@ -21,6 +21,11 @@ each cache block once for all its query heads. Softmax is online in float32.
 Slots outside every query's range never reach the output, NaN included (values there are
 zeroed before the probability-weighted sum); slots inside the span ``[min lo, max hi]`` of a
 query block must be finite. A query with an empty range gets a zero output.
+
+With ``return_lse`` the kernel also returns each query head's log-sum-exp of its scaled logits
+over its range (float32 [B, T, Hq], -inf for an empty range), so that attention over a part of
+the keys merges exactly with attention over the rest (:func:`merge_attention`): a token-tree
+verify attends to the committed cache here and to its own tree rows beside it.
 """
 
 from __future__ import annotations
@@ -57,8 +62,9 @@ def _kv_block(S: int, target: int, itemsize: int) -> int:
                            f"allocate the cache with max_len a multiple of 128")
 
 
-def _kernel(first_ref, last_ref, smin_ref, smax_ref, q_ref, k_ref, v_ref, lo_ref, hi_ref, o_ref,
-            m_ref, l_ref, acc_ref, *, scale: float, bk: int, nq: int):
+def _kernel(first_ref, last_ref, smin_ref, smax_ref, q_ref, k_ref, v_ref, lo_ref, hi_ref, o_ref, *refs,
+            scale: float, bk: int, nq: int, with_lse: bool):
+    lse_ref, (m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if with_lse else (None, refs)
     b, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     idx = b * nq + i
     blk = first_ref[idx] + s
@@ -95,20 +101,26 @@ def _kernel(first_ref, last_ref, smin_ref, smax_ref, q_ref, k_ref, v_ref, lo_ref
     def _done():
         l = l_ref[...][:, :1]
         o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+        if with_lse:  # m + log(l) in every lane; -inf where nothing was visible
+            lf = l_ref[...]
+            lse_ref[...] = jnp.where(lf > 0, m_ref[...] + jnp.log(jnp.where(lf > 0, lf, 1.0)), -jnp.inf)
 
 
-def _cost(B: int, Hkv: int, Rp: int, nq: int, S: int, D: int, q_size: int, kv_size: int) -> pl.CostEstimate:
+def _cost(B: int, Hkv: int, Rp: int, nq: int, S: int, D: int, q_size: int, kv_size: int,
+          with_lse: bool = False) -> pl.CostEstimate:
     """What XLA's cost analysis charges the call (it sees no flops or bytes in a Mosaic kernel
     otherwise): the upper bound of every query row against every slot, and the whole cache read
     once per (row block, kv head) pair, K and V; the kernel reads only the blocks of each row's range."""
     rows = B * Hkv * Rp
     return pl.CostEstimate(flops=4 * rows * S * D, transcendentals=rows * S,
-                           bytes_accessed=2 * rows * D * q_size + 2 * B * Hkv * nq * S * D * kv_size + 2 * rows * 4)
+                           bytes_accessed=2 * rows * D * q_size + 2 * B * Hkv * nq * S * D * kv_size + 2 * rows * 4
+                           + (rows * LANES * 4 if with_lse else 0))
 
 
 def decode_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: bool = False,
-                     block_q: int = 256, block_kv: int = 512, interpret: bool = False):
-    """Attention of q against the cache slots ``[lo, hi]`` of each query (module docstring)."""
+                     block_q: int = 256, block_kv: int = 512, interpret: bool = False, return_lse: bool = False):
+    """Attention of q against the cache slots ``[lo, hi]`` of each query (module docstring);
+    with ``return_lse`` also the log-sum-exp of each query head's logits, float32 [B, T, Hq]."""
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise KernelShapeError(f"expected q [B, T, Hq, D] and a cache k = v of rank 4, got {q.shape}, {k.shape}, "
                                f"{v.shape}")
@@ -160,16 +172,32 @@ def decode_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: 
         num_scalar_prefetch=4, grid=(B, Hkv, nq, nk),
         in_specs=[pl.BlockSpec((None, None, bq, D), row_map), kv_spec, kv_spec,
                   pl.BlockSpec((None, bq, 1), rng_map), pl.BlockSpec((None, bq, 1), rng_map)],
-        out_specs=pl.BlockSpec((None, None, bq, D), row_map),
+        out_specs=[pl.BlockSpec((None, None, bq, D), row_map)]
+        + ([pl.BlockSpec((None, None, bq, LANES), row_map)] if return_lse else []),
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
                         pltpu.VMEM((bq, D), jnp.float32)])
-    out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, bk=bk, nq=nq),
+    outs = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, bk=bk, nq=nq, with_lse=return_lse),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((B, Hkv, Rp, D), q.dtype),
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, Rp, D), q.dtype)]
+        + ([jax.ShapeDtypeStruct((B, Hkv, Rp, LANES), jnp.float32)] if return_lse else []),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=_cost(B, Hkv, Rp, nq, S, D, jnp.dtype(q.dtype).itemsize, jnp.dtype(k.dtype).itemsize),
+        cost_estimate=_cost(B, Hkv, Rp, nq, S, D, jnp.dtype(q.dtype).itemsize, jnp.dtype(k.dtype).itemsize,
+                            return_lse),
         interpret=interpret,
     )(first.astype(jnp.int32), last.astype(jnp.int32), smin, smax, qh, kk, vv, lo_r, hi_r)
-    out = out[:, :, :R].reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4)
-    return out.reshape(B, T, Hq, D)
+    out = outs[0][:, :, :R].reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    if not return_lse:
+        return out
+    lse = outs[1][:, :, :R, 0].reshape(B, Hkv, T, G).transpose(0, 2, 1, 3)
+    return out, lse.reshape(B, T, Hq)
+
+
+def merge_attention(o_a, lse_a, o_b, lse_b):
+    """Attention over the union of two disjoint key sets from each set's output [B, T, Hq, D] and
+    log-sum-exp [B, T, Hq] (float32; -inf for an empty set, whose output is ignored): the
+    softmax-weighted mix ``(o_a e^lse_a + o_b e^lse_b) / (e^lse_a + e^lse_b)``, in o_a's dtype."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    wa = jnp.where(jnp.isneginf(lse_a), 0.0, jnp.exp(lse_a - lse))[..., None]
+    wb = jnp.where(jnp.isneginf(lse_b), 0.0, jnp.exp(lse_b - lse))[..., None]
+    return (o_a.astype(jnp.float32) * wa + o_b.astype(jnp.float32) * wb).astype(o_a.dtype)

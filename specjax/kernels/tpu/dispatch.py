@@ -8,6 +8,8 @@ plan``) takes the Pallas kernels, the same code on the CPU takes XLA.
   self/cross attention without a cache (prefill, extraction, training).
 * :func:`cache_attention` -- queries against a KV cache, each query seeing one slot range
   (decode, speculative verify, prefill into the cache, draft chain steps).
+* :func:`tree_cache_attention` -- a token-tree verify: the committed cache through the decode
+  kernel (with its log-sum-exp) merged with the tree's own rows under the ancestor mask.
 
 Both take ``impl`` (``"pallas"`` | ``"xla"``, default :func:`attention_impl`) and ``mesh`` (default
 the one set with ``jax.set_mesh`` around the trace, else the one given to
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import placement
-from specjax.kernels.tpu.decode import LANES, decode_attention
+from specjax.kernels.tpu.decode import LANES, decode_attention, merge_attention
 from specjax.kernels.tpu.masks import MaskSpec, dense_mask
 from specjax.kernels.tpu.splash import check_qkv, mesh_specs, sharded_flash_attention, flash_attention
 
@@ -121,14 +123,59 @@ def cache_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: b
         kk, vv = (k, v) if seq_major else (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
         return jax.nn.dot_product_attention(q, kk.astype(q.dtype), vv.astype(q.dtype),
                                             mask=range_mask(lo, hi, S), scale=scale)
-    kw = dict(scale=scale, seq_major=seq_major, interpret=interpret, **block_kw)
+    return _decode(q, k, v, lo, hi, mesh, dict(scale=scale, seq_major=seq_major, interpret=interpret, **block_kw))
+
+
+def _decode(q, k, v, lo, hi, mesh, kw, return_lse: bool = False):
+    """The decode kernel, inside ``jax.shard_map`` under a mesh (batch over data/fsdp, kv heads
+    over tensor; the log-sum-exp [B, T, Hq] sharded as the output's heads)."""
     if mesh is None:
-        return decode_attention(q, k, v, lo, hi, **kw)
+        return decode_attention(q, k, v, lo, hi, return_lse=return_lse, **kw)
     from jax.sharding import PartitionSpec as P
 
-    bs, hs = mesh_specs(mesh, q.shape[0], k.shape[2] if seq_major else k.shape[1])
+    bs, hs = mesh_specs(mesh, q.shape[0], k.shape[2] if kw.get("seq_major") else k.shape[1])
     act = P(bs, None, hs, None)
-    cache = act if seq_major else P(bs, hs, None, None)
-    return jax.shard_map(lambda q, k, v, lo, hi: decode_attention(q, k, v, lo, hi, **kw), mesh=mesh,
-                         in_specs=(act, cache, cache, P(bs, None), P(bs, None)), out_specs=act,
+    cache = act if kw.get("seq_major") else P(bs, hs, None, None)
+    out_specs = (act, P(bs, None, hs)) if return_lse else act
+    return jax.shard_map(lambda q, k, v, lo, hi: decode_attention(q, k, v, lo, hi, return_lse=return_lse, **kw),
+                         mesh=mesh, in_specs=(act, cache, cache, P(bs, None), P(bs, None)), out_specs=out_specs,
                          check_vma=False)(q, k, v, lo, hi)
+
+
+def tree_rows_attention(q, k, v, q_pos, tree_mask, *, scale: float | None = None, window: int | None = None):
+    """The tree's part of a tree verify: q [B, T, Hq, D] against the tree's own K/V [B, T, Hkv, D],
+    node t seeing node j iff ``tree_mask[t, j]`` (ancestor or itself; [T, T] or [B, T, T]) and,
+    with a sliding window, ``q_pos[j] > q_pos[t] - window`` -> (output [B, T, Hq, D] in q's dtype,
+    log-sum-exp float32 [B, T, Hq]). T is a tree's size (a few dozen rows): plain XLA, float32."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else float(scale)
+    m = jnp.broadcast_to(jnp.asarray(tree_mask, bool), (B, T, T))
+    if window is not None:
+        m = m & (q_pos[:, None, :] > q_pos[:, :, None] - window)
+    qg = q.reshape(B, T, Hkv, G, D).astype(jnp.float32)
+    s = jnp.einsum("btkgd,bjkd->bkgtj", qg, k.astype(jnp.float32)) * scale
+    s = jnp.where(m[:, None, None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)  # finite: a node always sees itself
+    o = jnp.einsum("bkgtj,bjkd->btkgd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
+    return o.reshape(B, T, Hq, D).astype(q.dtype), lse.transpose(0, 3, 1, 2).reshape(B, T, Hq)
+
+
+def tree_cache_attention(q, k, v, new_k, new_v, lengths, q_pos, tree_mask, *, scale: float | None = None,
+                         window: int | None = None, mesh=None, interpret: bool = False, **block_kw):
+    """A token-tree verify on the Pallas path: q [B, T, Hq, D] of the T tree nodes (rope positions
+    ``q_pos`` int [B, T]), the heads-major cache k, v [B, Hkv, S, D] whose committed slots are
+    ``< lengths`` (int [B]), the nodes' own K/V ``new_k``/``new_v`` [B, T, Hkv, D], and
+    ``tree_mask`` as :func:`specjax.models.layers.tree_cache_mask` takes it. The committed part
+    runs on the decode kernel (each node: slots ``[max(q_pos - window + 1, 0), lengths - 1]``,
+    only those blocks read), the tree part in :func:`tree_rows_attention`; the two merge through
+    their log-sum-exps. Equal to XLA's masked attention over ``tree_cache_mask``."""
+    mesh = ambient_mesh(mesh)
+    interpret = interpret or _INTERPRET.get()
+    B, T = q.shape[:2]
+    lo = jnp.zeros((B, T), jnp.int32) if window is None else jnp.maximum(q_pos - (window - 1), 0).astype(jnp.int32)
+    hi = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32)[:, None] - 1, (B, T))
+    o_c, lse_c = _decode(q, k, v, lo, hi, mesh, dict(scale=scale, interpret=interpret, **block_kw), return_lse=True)
+    o_t, lse_t = tree_rows_attention(q, new_k, new_v, q_pos, tree_mask, scale=scale, window=window)
+    return merge_attention(o_c, lse_c, o_t, lse_t)
