@@ -89,6 +89,21 @@ def test_under_a_mesh_runs_in_shard_map():
     assert err(out, attend(q, k, v, kt.dense_mask(spec, T, T))) <= F32_TOL
 
 
+def test_tree_verify_under_a_mesh_runs_in_shard_map():
+    """The tree verify's cache part runs the decode kernel inside shard_map (with its log-sum-exp
+    sharded as the output); the result is the unsharded one."""
+    from specjax.models.layers import tree_cache_mask
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    q, k, v, nk, nv, lengths, q_pos, tm = _tree_case(B=2)
+    f = jax.jit(lambda *a: kt.tree_cache_attention(*a, interpret=True, block_kv=128))
+    with jax.set_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(f)(q, k, v, nk, nv, lengths, q_pos, tm))
+        out = f(q, k, v, nk, nv, lengths, q_pos, tm)
+    assert "shard_map" in jaxpr
+    assert err(out, attend_cache(q, k, v, tree_cache_mask(q_pos, lengths, tm, k.shape[2]))) <= F32_TOL
+
+
 def test_flash_bf16_tolerance():
     B, T, Hq, Hkv, D = 1, 256, 4, 1, 128
     q, k, v = (rnd(i, (B, T, h, D), jnp.bfloat16) for i, h in ((0, Hq), (1, Hkv), (2, Hkv)))
