@@ -26,7 +26,7 @@ VLLM_TREE = "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"
 
 
 def parse_side(spec: str):
-    from specjax.decode.tree_loop import DynamicTreeSpec, as_tree
+    from specjax.decode.tree_draft import DynamicTreeSpec, as_tree
 
     if spec.startswith("dyn:"):
         topk, depth, nodes = (int(x) for x in spec[4:].split(","))

@@ -59,7 +59,8 @@ from specjax.decode.spec_stats import SpecStats, alpha_from_tau, predicted_speed
 from specjax.decode.speculative import Pair, SpecDraft, place_pair, resolve_k, speculative_generate_ids, split_pair
 from specjax.decode import tree_auto
 from specjax.decode.tree import TokenTree
-from specjax.decode.tree_loop import as_tree, tree_generate_ids
+from specjax.decode.tree_draft import as_tree
+from specjax.decode.tree_loop import tree_generate_ids
 from specjax.models import panels
 from specjax.sharding import TARGET_RULES, describe, mesh_of, named_shardings
 
@@ -147,7 +148,7 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     to a multiple of it (each multiple in use compiles both loops once). ``mesh``: run sharded (module
     docstring); the report gains ``"mesh"``. ``tree``: also run the tree loop on the same batches
     (a third side, interleaved; sharded with ``mesh``): a :class:`specjax.decode.tree.TokenTree`, a path list,
-    a :class:`specjax.decode.tree_loop.DynamicTreeSpec`, or ``"auto"`` (calibrated on the first
+    a :class:`specjax.decode.tree_draft.DynamicTreeSpec`, or ``"auto"`` (calibrated on the first
     ``tree_calibration`` batches and chosen by :mod:`specjax.decode.tree_auto`); the report gains
     ``"tree"``. Returns a :class:`BenchReport`."""
     if batch_size < 1:

@@ -37,7 +37,7 @@ from specjax.decode.costs import (
 )
 from specjax.decode.generate import pin_cache
 from specjax.decode.tree import TokenTree
-from specjax.decode.tree_loop import DynamicTreeSpec, propose_tree
+from specjax.decode.tree_draft import DynamicTreeSpec, propose_tree
 from specjax.models.target import KVCache
 
 # node counts tried by ``--tree auto`` (those the calibrated table can fill)

@@ -28,7 +28,8 @@ from specjax.decode.speculative import (
     GREEDY, SpecParams, SpecState, draft_dtype_of, place_pair, sharded_spec_fn, spec_round, split_pair,
 )
 from specjax.decode.tree import parse_tree
-from specjax.decode.tree_loop import Drafted, TreeState, check_tree_draft, sharded_tree_fn, tree_round
+from specjax.decode.tree_draft import Drafted, check_tree_draft
+from specjax.decode.tree_loop import TreeState, sharded_tree_fn, tree_round
 from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
 from specjax.models.drafts.load import build_draft

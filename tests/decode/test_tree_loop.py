@@ -21,7 +21,8 @@ from specjax.decode.sampling import SamplingParams, probs
 from specjax.decode.selfdraft import SelfDraft
 from specjax.decode.speculative import load_spec_draft
 from specjax.decode.tree import TokenTree
-from specjax.decode.tree_loop import DynamicTreeSpec, TreeDraftError, tree_generate_ids
+from specjax.decode.tree_draft import DynamicTreeSpec, TreeDraftError
+from specjax.decode.tree_loop import tree_generate_ids
 from specjax.models.hf import load_hf_dir
 from specjax.models.target import KVCache
 
@@ -138,7 +139,7 @@ def test_block_tree_nodes_are_the_chain_proposals_ranks(pair, block_drafts, algo
     the r-th best token of the greedy chain proposal's depth-d logits (DSpark: that chain feeds
     the rank-0 path to its Markov head, as the tree does)."""
     from specjax.decode.tree import parse_tree
-    from specjax.decode.tree_loop import propose_tree
+    from specjax.decode.tree_draft import propose_tree
 
     target, _ = pair
     d = block_drafts[algo].module
@@ -170,7 +171,7 @@ def test_tree_depth_and_draft_kind_are_checked(pair, block_drafts):
         def propose(self, cache, rows, ids, pos, *, k=None):
             raise AssertionError("not reached")
 
-    from specjax.decode.tree_loop import check_tree_draft
+    from specjax.decode.tree_draft import check_tree_draft
     with pytest.raises(TreeDraftError, match=r"a opaque draft cannot draft a token tree: it has no tree_drafting"):
         check_tree_draft(Opaque())
 
@@ -307,7 +308,7 @@ def test_stepwise_tree_drafting_equals_forced_chains(pair, tree):
     """Drafting a tree with one chain step per node from its parent's state (the default for
     EAGLE-3 / MTP) gives the same tree as re-running a teacher-forced chain per node: same tokens,
     same shape, same committed draft cache; and the loop with either gives the same output."""
-    from specjax.decode.tree_loop import as_tree, propose_tree
+    from specjax.decode.tree_draft import as_tree, propose_tree
 
     target, draft = pair
     d = draft.module
