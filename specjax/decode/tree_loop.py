@@ -16,24 +16,25 @@ One round (``B`` sequences, tree of ``N`` drafted nodes and depth ``D``, :mod:`s
    chosen by the path -- and drafts the next tree (:func:`specjax.decode.tree_draft.propose_tree`).
 
 Every speculators draft drafts trees (its ``tree_drafting``), and so does any draft with a
-teacher-forced ``propose(..., forced=)`` (the self draft). A static
-tree (:class:`specjax.decode.tree.TokenTree`): node i's children are the draft's top-c tokens after
-the root-to-i path. A dynamic tree (:class:`~specjax.decode.tree_draft.DynamicTreeSpec`): the
-root's top-k, then per further depth the top-k frontier nodes (by cumulative draft log-prob)
-expanded, the best ``num_nodes`` kept; each sequence has its own tree (masks, depths and children are [B, ...] arrays). A chain
-draft (``extend`` then ``step``: EAGLE-3, MTP) ingests the committed rows once, then drafts each
-depth with one batched chain step over that depth's expanded nodes, each continuing its parent's
-chain state (its draft cache with the ancestors' scratch rows, and its hidden state): one step per
-expanded node, nothing re-run (``tree_draft._step_nodes``). Other drafts with a teacher-forced
-``propose(..., forced=)`` re-run a forced chain per expanded node
-(:func:`~specjax.decode.tree_draft.forced_logits`: one call per depth, each re-reading the
-committed rows and re-running the earlier steps); both give the same tree. Block drafts (``tree_draft._Block``) propose all depths in one pass: for P-EAGLE and
-DFlash the depth-d logits do not depend on the drafted tokens, so a tree's nodes at one depth all
-get the same children (their natural tree: the top-c tokens of each depth's distribution,
-combined along the tree's paths); DSpark's Markov head conditions each depth on the token before
-it, so its depth-d logits are re-run with each node's path fed (its backbone block once per node).
-A tree is at most a block deep (:meth:`max_proposal`). On a mesh the loop runs sharded
-(:func:`sharded_tree_fn`). The drafting lives in :mod:`specjax.decode.tree_draft`.
+teacher-forced ``propose(..., forced=)`` (the self draft). A static tree
+(:class:`specjax.decode.tree.TokenTree`): node i's children are the draft's top-c tokens after the
+root-to-i path. A dynamic tree (:class:`~specjax.decode.tree_draft.DynamicTreeSpec`): the root's
+top-k, then per further depth the top-k frontier nodes (by cumulative draft log-prob) expanded, the
+best ``num_nodes`` kept; each sequence has its own tree (masks, depths and children are [B, ...]
+arrays). A chain draft (``extend`` then ``step``: EAGLE-3, MTP) ingests the committed rows once,
+then drafts each depth with one batched chain step over that depth's expanded nodes, each continuing
+its parent's chain state (its draft cache with the ancestors' scratch rows, and its hidden state):
+one step per expanded node, nothing re-run (``tree_draft._step_nodes``). Other drafts with a
+teacher-forced ``propose(..., forced=)`` re-run a forced chain per expanded node
+(:func:`~specjax.decode.tree_draft.forced_logits`: one call per depth, each re-reading the committed
+rows and re-running the earlier steps); both give the same tree. Block drafts
+(``tree_draft._Block``) propose all depths in one pass: for P-EAGLE and DFlash the depth-d logits do
+not depend on the drafted tokens, so a tree's nodes at one depth all get the same children (their
+natural tree: the top-c tokens of each depth's distribution, combined along the tree's paths);
+DSpark's Markov head conditions each depth on the token before it, so its depth-d logits are re-run
+with each node's path fed (its backbone block once per node). A tree is at most a block deep
+(:meth:`max_proposal`). On a mesh the loop runs sharded (:func:`sharded_tree_fn`). The drafting
+lives in :mod:`specjax.decode.tree_draft`.
 """
 
 from __future__ import annotations

@@ -117,10 +117,9 @@ def _cost(B: int, Hkv: int, Rp: int, nq: int, S: int, D: int, q_size: int, kv_si
                            + (rows * LANES * 4 if with_lse else 0))
 
 
-def decode_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: bool = False,
-                     block_q: int = 256, block_kv: int = 512, interpret: bool = False, return_lse: bool = False):
-    """Attention of q against the cache slots ``[lo, hi]`` of each query (module docstring);
-    with ``return_lse`` also the log-sum-exp of each query head's logits, float32 [B, T, Hq]."""
+def _check_shapes(q, k, v, lo, hi, seq_major: bool):
+    """(B, T, Hq, D, Hkv, S) of a decode-attention call, or a :class:`KernelShapeError` naming what
+    does not fit."""
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise KernelShapeError(f"expected q [B, T, Hq, D] and a cache k = v of rank 4, got {q.shape}, {k.shape}, "
                                f"{v.shape}")
@@ -133,6 +132,14 @@ def decode_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: 
                                f"head_dim a multiple of {LANES}; got {D}")
     if jnp.shape(lo) != (B, T) or jnp.shape(hi) != (B, T):
         raise KernelShapeError(f"lo/hi must be int [B, T] = {(B, T)}, got {jnp.shape(lo)} / {jnp.shape(hi)}")
+    return B, T, Hq, D, Hkv, S
+
+
+def decode_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: bool = False,
+                     block_q: int = 256, block_kv: int = 512, interpret: bool = False, return_lse: bool = False):
+    """Attention of q against the cache slots ``[lo, hi]`` of each query (module docstring);
+    with ``return_lse`` also the log-sum-exp of each query head's logits, float32 [B, T, Hq]."""
+    B, T, Hq, D, Hkv, S = _check_shapes(q, k, v, lo, hi, seq_major)
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     bk = _kv_block(S, block_kv, jnp.dtype(k.dtype).itemsize)
