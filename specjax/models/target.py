@@ -278,9 +278,10 @@ class _Mode:
             nk, nv = write_cache(ck, self.slots, k), write_cache(cv, self.slots, v)
             if self.kind == "tree" and self.pallas:
                 # the committed blocks of the cache as it was (the write does not touch them) on the kernel,
-                # the tree's own rows beside: the attention does not wait on the cache update
-                return kt.tree_cache_attention(q, ck, cv, k, v, self.cache.lengths, self.positions, self.tree_mask,
-                                               window=w, scale=attn.scaling), nk, nv
+                # the tree's own rows beside (rounded to the cache's dtype, as the cache holds them): the
+                # attention does not wait on the cache update
+                return kt.tree_cache_attention(q, ck, cv, k.astype(ck.dtype), v.astype(cv.dtype), self.cache.lengths,
+                                               self.positions, self.tree_mask, window=w, scale=attn.scaling), nk, nv
             return self._attend_cache(attn, q, nk, nv, w), nk, nv
         if self.pallas:
             return kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, kv_valid=self.kv_valid),
