@@ -111,22 +111,52 @@ class TrainData:
 
 
 class Prefetch:
-    """Builds the next packed rows on a background thread (numpy releases the GIL while copying)."""
+    """Builds the next packed rows on a background thread (numpy releases the GIL while copying).
+
+    :meth:`close` (or leaving a ``with`` block) stops the thread when the consumer stops early (a
+    timeout, ``stop_after``, an error): it builds nothing more and exits within ``POLL_S`` once
+    the item it is building is done, instead of waiting forever to hand over its next rows (and,
+    online, running the target on them)."""
+
+    POLL_S = 0.1
 
     def __init__(self, build: Callable[[Any], Any], items: list[tuple[int, Any]], depth: int = 2):
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.err = None
+        self._stop = threading.Event()
 
         def run():
             try:
                 for key, idx in items:
-                    self.q.put((key, build(idx)))
+                    if self._stop.is_set() or not self._put((key, build(idx))):
+                        return
             except BaseException as e:  # surfaced in the consumer
                 self.err = e
-            self.q.put(None)
+            self._put(None)
 
         self.t = threading.Thread(target=run, daemon=True)
         self.t.start()
+
+    def _put(self, item) -> bool:
+        """Hand ``item`` over, unless closed first (False)."""
+        while not self._stop.is_set():
+            try:
+                self.q.put(item, timeout=self.POLL_S)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the thread and wait for it (at most ``timeout`` s: the item being built finishes)."""
+        self._stop.set()
+        self.t.join(timeout)
+
+    def __enter__(self) -> "Prefetch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __iter__(self):
         while True:

@@ -368,26 +368,26 @@ class Run:
                    disable=not self.progress, dynamic_ncols=True)
         lp = _Loop(step=start, best=best, t0=time.perf_counter(), sinks=sinks)
         build = lambda st: self.host_rows(self.train_data, st)  # noqa: E731
-        for (gstep, b, epoch, end_of_epoch), (_, rows) in zip(
-                items, Prefetch(build, [(it[0], it[1]) for it in items])):
-            tok = sum(self.train_data.tokens(idx) for idx in b)
-            params, opt_state, m = self.fns.train_step(params, opt_state, self.device_batch(rows, gstep))
-            lp.step, lp.done_here, lp.tok_seen = gstep + 1, lp.done_here + 1, lp.tok_seen + tok
-            if lp.step % cfg.trainer.log_every == 0 or lp.step == self.total_steps:
-                self._log_step(lp, m, gstep, epoch, tok, bar)
-            bar.update(1)
-            self._maybe_validate(lp, params, epoch, end_of_epoch)
-            # every process takes the same decision (process 0's clock), or the collectives below deadlock
-            timeout = bool(cfg.trainer.max_minutes) and agree(
-                (time.perf_counter() - t_start) / 60 >= cfg.trainer.max_minutes)
-            killed = stop_after is not None and lp.done_here >= stop_after
-            if lp.step % cfg.trainer.checkpoint_every == 0 or lp.step == self.total_steps or timeout or killed:
-                self.save(mngr, lp.step, params, opt_state, {"step": lp.step, "best": lp.best,
-                                                             "fingerprint": cfg.fingerprint(), "parallel": parallel})
-                lp.flush()  # a remote run's metrics reach the bucket with each checkpoint
-            if timeout or killed:
-                lp.stopped = "max_minutes" if timeout else "stop_after"
-                break
+        with Prefetch(build, [(it[0], it[1]) for it in items]) as feed:  # closed when the loop stops early
+            for (gstep, b, epoch, end_of_epoch), (_, rows) in zip(items, feed):
+                tok = sum(self.train_data.tokens(idx) for idx in b)
+                params, opt_state, m = self.fns.train_step(params, opt_state, self.device_batch(rows, gstep))
+                lp.step, lp.done_here, lp.tok_seen = gstep + 1, lp.done_here + 1, lp.tok_seen + tok
+                if lp.step % cfg.trainer.log_every == 0 or lp.step == self.total_steps:
+                    self._log_step(lp, m, gstep, epoch, tok, bar)
+                bar.update(1)
+                self._maybe_validate(lp, params, epoch, end_of_epoch)
+                # every process takes the same decision (process 0's clock), or the collectives below deadlock
+                timeout = bool(cfg.trainer.max_minutes) and agree(
+                    (time.perf_counter() - t_start) / 60 >= cfg.trainer.max_minutes)
+                killed = stop_after is not None and lp.done_here >= stop_after
+                if lp.step % cfg.trainer.checkpoint_every == 0 or lp.step == self.total_steps or timeout or killed:
+                    meta = {"step": lp.step, "best": lp.best, "fingerprint": cfg.fingerprint(), "parallel": parallel}
+                    self.save(mngr, lp.step, params, opt_state, meta)
+                    lp.flush()  # a remote run's metrics reach the bucket with each checkpoint
+                if timeout or killed:
+                    lp.stopped = "max_minutes" if timeout else "stop_after"
+                    break
         bar.close()
         if sinks is not None:
             sinks.close()
