@@ -274,24 +274,26 @@ class _Mode:
                                         scale=attn.scaling), nk, nv
             return attend(q, k, v, self.mask(w), scale=attn.scaling), nk, nv
         if self.kind in ("cache", "tree"):
-            ck, cv = self.cache.k[i], self.cache.v[i]
-            nk, nv = write_cache(ck, self.slots, k), write_cache(cv, self.slots, v)
-            if self.kind == "tree" and self.pallas:
-                # the committed blocks of the cache as it was (the write does not touch them) on the kernel,
-                # the tree's own rows beside (rounded to the cache's dtype, as the cache holds them): the
-                # attention does not wait on the cache update
-                return kt.tree_cache_attention(q, ck, cv, k.astype(ck.dtype), v.astype(cv.dtype), self.cache.lengths,
-                                               self.positions, self.tree_mask, window=w, scale=attn.scaling), nk, nv
-            return self._attend_cache(attn, q, nk, nv, w), nk, nv
+            nk, nv = write_cache(self.cache.k[i], self.slots, k), write_cache(self.cache.v[i], self.slots, v)
+            return self._attend_cache(attn, i, q, k, v, nk, nv, w), nk, nv
         if self.pallas:
             return kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, kv_valid=self.kv_valid),
                                     scale=attn.scaling), k, v
         return attend(q, k, v, self.mask(w), scale=attn.scaling), k, v
 
-    def _attend_cache(self, attn, q, k, v, w):
-        """Attention over the whole cache (new rows written): the kernel that fits."""
+    def _attend_cache(self, attn, i, q, rows_k, rows_v, k, v, w):
+        """Layer ``i``'s attention over the cache: the kernel that fits. ``rows_k``/``rows_v``: this
+        forward's own K/V rows; ``k``, ``v``: the cache with them written."""
         T = q.shape[1]
         if self.kind == "tree":
+            if self.pallas:
+                # the committed blocks of the cache as it was (the write does not touch them) on the kernel,
+                # the tree's own rows beside (rounded to the cache's dtype, as the cache holds them): the
+                # attention does not wait on the cache update
+                ck, cv = self.cache.k[i], self.cache.v[i]
+                return kt.tree_cache_attention(q, ck, cv, rows_k.astype(ck.dtype), rows_v.astype(cv.dtype),
+                                               self.cache.lengths, self.positions, self.tree_mask, window=w,
+                                               scale=attn.scaling)
             if panels.attention_fits(attn.q_proj, q, k) and panels.tree_fits(w, T):
                 return panels.tree_attention(q, k, v, self.positions, self.cache.lengths, self.tree_mask, window=w,
                                              scale=attn.scaling)
