@@ -63,6 +63,11 @@ def test_v5e_programs_compile_and_fit(v5e):
         assert r.topology == "v5e:2x4" and "tensor: 8" in r.mesh and "tpu" in r.mesh
     # a run holds nothing on the device beside its programs (train: no target weights, frozen tensors once)
     assert v5e["train"].resident_gib == 0 and v5e["train"].tokens == 128
+    # the draft's flash attention (one 128 x 128 block per row and chip's 4 heads) is counted forward
+    # and backward (4.5 passes); the decode loops' steps run no flash kernel
+    t = v5e["train"]
+    assert t.kernel_flops == 4.5 * 4 * t.shape["rows"] * 4 * 128 ** 3, t.kernel_flops
+    assert v5e["generate"].kernel_flops == v5e["speculate"].kernel_flops == 0
     assert v5e["extract"].resident_gib == 0
     # tensor parallel: the steps exchange partial sums
     assert v5e["train"].collectives["all-reduce"] > 0
@@ -97,6 +102,12 @@ def test_extract_attention_memory_does_not_grow_with_t_squared(cfg):
         assert r.custom_calls.get("tpu_custom_call", 0) > 0
     assert b.temp_gib * 1024 < 256, b.temp_gib
     assert b.temp_gib < 8 * a.temp_gib, (a.temp_gib, b.temp_gib)
+    # the kernel's flops (a custom call XLA counts as 0) are in the count: per chip 4 query heads of
+    # 128 dims, 512 x 512 blocks, the causal triangle's non-empty blocks (2048: 10 of 16; 4096: 36 of
+    # 64), two layers
+    for r, blocks in ((a, 10), (b, 36)):
+        assert r.kernel_flops == 4 * r.shape["rows"] * 4 * blocks * 512 * 512 * 128 * 2, (r.kernel_flops, blocks)
+        assert r.flops > r.kernel_flops
     # HBM traffic counts the whole program (the kernel's multi-line attributes end no computation):
     # more than the two layers' weights per chip plus the 4096-token residual stream written per layer
     assert b.hbm_bytes > 2 * 218_112_000 * 2 / 8 + 2 * 4096 * 4096 * 2, b.hbm_bytes

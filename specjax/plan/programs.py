@@ -65,6 +65,10 @@ class Program:
     tokens: int = 0
     resident_bytes: int = 0
     notes: list = field(default_factory=list)
+    # how many times each traced flash-attention call's forward flops the program executes: 1 for
+    # inference; a train step 4.5 (the forward, then splash's backward: its dq kernel recomputes the
+    # scores and runs 3 matmuls, its dkv kernel 4, against the forward's 2)
+    kernel_passes: float = 1.0
 
 
 @dataclass
@@ -182,7 +186,7 @@ def train_program(p: PlanInputs) -> Program:
     # the step's argument (their float32 originals stay on the host)
     return Program("train", {"rows": N, "seq": T, "algorithm": cfg.speculator_type,
                              "optimizer": o.optimizer}, lambda: fns.lower_train(params_a, opt_a, batch),
-                   tokens=N * T, resident_bytes=0,
+                   tokens=N * T, resident_bytes=0, kernel_passes=4.5,
                    notes=["nothing resident beside the step: no target weights, frozen tensors once (compute dtype)"])
 
 

@@ -7,6 +7,10 @@ Definitions (per chip):
 * ``peak`` = arguments + outputs - aliased (donated) + temporaries + generated code; ``total`` =
   peak + ``resident`` (what the run holds outside the program); ``fits`` = total <= HBM,
   ``headroom_pct`` = (HBM - total) / HBM.
+* ``flops`` is XLA's ``cost_analysis`` count plus ``kernel_flops``: the flash-attention (splash)
+  kernels are Mosaic custom calls that the compiler counts as 0 flops, so each traced call
+  reports the blocks it runs (:func:`specjax.kernels.tpu.splash.count_kernel_flops`; forward
+  and backward for a train step). The decode kernel carries its own cost estimate.
 * ``bytes`` is XLA's ``cost_analysis`` count (every operand and result of every instruction, in
   any memory); ``hbm_bytes`` only what crosses HBM (:mod:`specjax.plan.hbm`: a weight the
   compiler prefetches into VMEM counts once, not four or five times).
@@ -23,6 +27,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
+from specjax.kernels.tpu.splash import count_kernel_flops
 from specjax.plan import hbm
 from specjax.plan.topology import Chip
 
@@ -53,7 +58,8 @@ class ProgramReport:
     hbm_gib: float = 0.0
     fits: bool | None = None
     headroom_pct: float | None = None
-    flops: float | None = None
+    flops: float | None = None  # the compiler's count + kernel_flops
+    kernel_flops: float = 0.0  # the splash kernels' flops (custom calls the compiler counts as 0)
     bytes: float | None = None
     hbm_bytes: float | None = None
     compute_ms: float | None = None
@@ -94,13 +100,15 @@ def _cost(compiled) -> tuple[float, float]:
     return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
 
 
-def _compile(lower) -> tuple[object | None, float, str | None]:
+def _compile(lower) -> tuple[object | None, float, str | None, list]:
+    """(compiled or None, seconds, error, the flash-attention calls traced: their flop records)."""
     t0 = time.perf_counter()
-    try:
-        compiled = lower().compile()
-    except Exception as e:  # the compiler's own message is the report (OOM, an unpartitionable op)
-        return None, time.perf_counter() - t0, f"{type(e).__name__}: {str(e).strip()[:2000]}"
-    return compiled, time.perf_counter() - t0, None
+    with count_kernel_flops() as kernels:
+        try:
+            compiled = lower().compile()
+        except Exception as e:  # the compiler's own message is the report (OOM, an unpartitionable op)
+            return None, time.perf_counter() - t0, f"{type(e).__name__}: {str(e).strip()[:2000]}", kernels
+    return compiled, time.perf_counter() - t0, None, kernels
 
 
 def _oom_used(err: str) -> float | None:
@@ -118,7 +126,7 @@ def analyse(prog, *, topology: str, mesh_desc: str, chip: Chip, with_step: bool 
     rep = ProgramReport(prog.name, topology, mesh_desc, dict(prog.shape), compiled=False, hbm_gib=chip.hbm_gib,
                         resident_gib=round(prog.resident_bytes / GIB, 3), tokens=int(prog.tokens),
                         notes=list(prog.notes))
-    compiled, secs, err = _compile(prog.lower)
+    compiled, secs, err, kernels = _compile(prog.lower)
     rep.compile_s = round(secs, 2)
     if compiled is None:
         rep.error = err
@@ -146,7 +154,7 @@ def analyse(prog, *, topology: str, mesh_desc: str, chip: Chip, with_step: bool 
     cost_of = compiled
     if prog.step_lower is not None and with_step:
         rep.loop_collectives = coll
-        step, ssecs, serr = _compile(prog.step_lower)
+        step, ssecs, serr, kernels = _compile(prog.step_lower)
         rep.step_compile_s = round(ssecs, 2)
         if step is None:
             rep.error = f"loop step: {serr}"
@@ -160,6 +168,10 @@ def analyse(prog, *, topology: str, mesh_desc: str, chip: Chip, with_step: bool 
             rep.custom_calls[k] = rep.custom_calls.get(k, 0) + v
     rep.collectives = coll
     flops, nbytes = _cost(cost_of)
+    rep.kernel_flops = sum(r["flops"] for r in kernels) * prog.kernel_passes
+    if any(not r["exact"] for r in kernels):
+        rep.notes.append("flash attention under a runtime mask: kernel_flops counts all its blocks (an upper bound)")
+    flops += rep.kernel_flops
     rep.flops, rep.bytes = flops, nbytes
     rep.hbm_bytes = hbm.hbm_bytes(text)
     tc = flops / (chip.peak_tflops * 1e12)

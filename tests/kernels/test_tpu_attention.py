@@ -519,3 +519,24 @@ def test_fast_eagle3_ttt_forward_tpu_path_matches_xla():
     got, ref = _tpu_path_vs_xla(lambda st: ttt_forward(nnx.merge(gd, st), hs, ids, doc, ttt_steps=3)[:2], st)
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g, r, atol=F32_TOL)
+
+
+def test_flash_reports_the_blocks_it_runs():
+    """The splash kernel is a custom call XLA counts as 0 flops: each traced flash call reports
+    its forward flops from the blocks it runs. Causal 256 in 128-blocks: 3 of 4; a 100-token
+    window over 512: the diagonal and the one below it, 7 of 16; a runtime (dense) mask: every
+    block, flagged as an upper bound. Outside a collector nothing is recorded."""
+    B, Hq, Hkv, D = 2, 4, 2, 64
+    kw = dict(block_q=128, block_kv=128, interpret=True)
+    cases = [(256, kt.causal(), 3, True), (512, kt.causal(window=100), 7, True),
+             (256, kt.dense(jnp.tril(jnp.ones((B, 256, 256), bool))), 4, False)]
+    for T, spec, blocks, exact in cases:
+        q, k, v = rnd(0, (B, T, Hq, D)), rnd(1, (B, T, Hkv, D)), rnd(2, (B, T, Hkv, D))
+        with kt.count_kernel_flops() as recs:
+            jax.jit(lambda q, k, v: kt.flash_attention(q, k, v, mask=spec, **kw)).lower(q, k, v)
+        (r,) = recs
+        assert (r["blocks"], r["blocks_total"], r["exact"]) == (blocks, (T // 128) ** 2, exact), r
+        assert r["flops"] == 4 * B * Hq * blocks * 128 * 128 * D
+    jax.jit(lambda q, k, v: kt.flash_attention(q, k, v, mask=kt.causal(), **kw)).lower(q, k, v)
+    from specjax.kernels.tpu import splash
+    assert splash._COLLECTORS == []

@@ -18,6 +18,7 @@ Mosaic kernels cannot be partitioned by XLA: under a mesh call :func:`sharded_fl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -68,14 +69,52 @@ def _static_tables(Tp: int, Sp: int, window, steps_before: int, heads: int, bq: 
     with jax.ensure_compile_time_eval():
         kern = splash.make_splash_mha(splash_mask.MultiHeadMask([mask] * heads), block_sizes=_block_sizes(bq, bk),
                                       head_shards=1, q_seq_shards=1, interpret=interpret)
+    bm = kern.fwd_mask_info.block_mask  # [1|heads, q blocks, kv blocks]: 0 skipped, 1 partial, 2 full
+    active = (Tp // bq) * (Sp // bk) if bm is None else int(np.count_nonzero(np.asarray(bm)[0]))
     leaves, tree = jax.tree_util.tree_flatten(kern)
-    return [np.asarray(x) for x in leaves], tree
+    return [np.asarray(x) for x in leaves], tree, active
 
 
 def _static_kernel(*key):
     """A splash kernel for one batch row (q [Hq, Tp, D], k/v [Hkv, Sp, D]) of a static mask."""
-    leaves, tree = _static_tables(*key)
+    leaves, tree, _ = _static_tables(*key)
     return jax.tree_util.tree_unflatten(tree, [jnp.asarray(x) for x in leaves])
+
+
+# ----------------------------------------------------------------------------- flop accounting
+# Mosaic kernels are custom calls: XLA's cost_analysis counts no flops for them, and jax's splash
+# kernel declares no CostEstimate. flash_attention reports what it runs to the active collectors
+# instead (at trace time, one record per traced call), and `specjax plan` adds it to the compiler's
+# count.
+
+_COLLECTORS: list[list] = []
+
+
+@contextlib.contextmanager
+def count_kernel_flops():
+    """Collect one record per :func:`flash_attention` traced inside the block (trace time, so wrap
+    the ``lower()``): ``{"flops": forward flops the kernel executes (its non-empty blocks, whole),
+    "exact": False where the mask is only known at run time (all blocks counted: an upper bound),
+    "batch", "heads", "q_len", "kv_len", "head_dim", "blocks", "blocks_total"}``. A call traced once
+    inside a ``scan``/``while`` body is recorded once, whatever the trip count."""
+    rec: list = []
+    _COLLECTORS.append(rec)
+    try:
+        yield rec
+    finally:
+        _COLLECTORS.remove(rec)
+
+
+def _record(*, B: int, Hq: int, Tp: int, Sp: int, D: int, bq: int, bk: int, active: int | None):
+    if not _COLLECTORS:
+        return
+    total = (Tp // bq) * (Sp // bk)
+    blocks = total if active is None else active
+    rec = {"kernel": "splash", "batch": B, "heads": Hq, "q_len": Tp, "kv_len": Sp, "head_dim": D,
+           "blocks": blocks, "blocks_total": total, "exact": active is not None,
+           "flops": 4 * B * Hq * blocks * bq * bk * D}  # q k^T and p v: 2 matmuls of 2 flops per MAC
+    for c in _COLLECTORS:
+        c.append(rec)
 
 
 def _dynamic_kernel(mask, bq: int, bk: int, interpret: bool):
@@ -162,8 +201,11 @@ def flash_attention(q, k, v, *, mask: MaskSpec, scale: float | None = None, bloc
             return _dynamic_kernel(mb[None], bq, bk, interpret)(qb, kb, vb, segment_ids=sb)
 
         out = jax.vmap(one)(qh, kh, vh, dm, seg)
+        _record(B=B, Hq=Hq, Tp=Tp, Sp=Sp, D=D, bq=bq, bk=bk, active=None)
     else:
-        kern = _static_kernel(Tp, Sp, mask.window, mask.steps_before, Hq, bq, bk, interpret)
+        key = (Tp, Sp, mask.window, mask.steps_before, Hq, bq, bk, interpret)
+        _record(B=B, Hq=Hq, Tp=Tp, Sp=Sp, D=D, bq=bq, bk=bk, active=_static_tables(*key)[2])
+        kern = _static_kernel(*key)
         out = jax.vmap(lambda qb, kb, vb, sb: kern(qb, kb, vb, segment_ids=sb))(qh, kh, vh, seg)
     return out[:, :, :T].transpose(0, 2, 1, 3).astype(q.dtype)
 
