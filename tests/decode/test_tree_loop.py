@@ -208,12 +208,25 @@ def test_mtp_tree_loop_equals_target_only(verifiers, tmp_path):
 N_SAMPLES = 20_000
 
 
+_LOGITS: dict = {}
+
+
+def _joint_logits(target, prompt):
+    """The target's logits after ``prompt`` + every two-token continuation [V*V, P+2, V], computed
+    once per (target, prompt): the eager forward costs seconds, and every sampled test reuses it."""
+    key = (id(target), tuple(prompt))
+    if key not in _LOGITS:
+        V = target.config.vocab_size
+        ab = np.asarray(list(itertools.product(range(V), repeat=2)), np.int32)
+        seqs = jnp.asarray(np.concatenate([np.broadcast_to(prompt, (len(ab), len(prompt))), ab], 1))
+        _LOGITS[key] = (target, target(seqs).logits)  # the target is held so that its id stays unique
+    return _LOGITS[key][1]
+
+
 def _exact_joint3(target, prompt, sampling):
     """P(t1, t2, t3 | prompt) [V, V, V] under ``sampling`` from the target's logits (float64)."""
     V = target.config.vocab_size
-    ab = np.asarray(list(itertools.product(range(V), repeat=2)), np.int32)
-    seqs = jnp.asarray(np.concatenate([np.broadcast_to(prompt, (len(ab), len(prompt))), ab], 1))
-    lg = target(seqs).logits  # [V*V, P+2, V]
+    lg = _joint_logits(target, prompt)
     P = len(prompt)
     p = lambda x: np.asarray(probs(x, sampling), np.float64)  # noqa: E731
     p1, p2, p3 = p(lg[0, P - 1]), p(lg[::V, P]), p(lg[:, P + 1]).reshape(V, V, V)
