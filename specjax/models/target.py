@@ -159,6 +159,9 @@ class CausalLM(nnx.Module):
         the row (not to the cache) and its K/V go to that sequence's cache row. ``lengths``
         advance by each sequence's token count; ``logits_at`` int [B'] indexes the row (logits
         [B', V]). Equal to a right-padded prefill of the sequences without the padding's work.
+        Without a cache, ``segments`` int [B, T] packs several sequences per row (training's
+        online target): token t attends to the earlier tokens of its own segment only, at
+        ``positions`` (give each sequence's own, from 0); each sequence's tokens are contiguous.
 
         tree_mask bool [T, T] or [B, T, T] (with a cache): a token-tree verify
         (:mod:`specjax.decode.tree`). The T tokens are written at slots ``lengths + arange(T)``
@@ -235,10 +238,19 @@ class _Mode:
         B, T = input_ids.shape
         ar = jnp.arange(T, dtype=jnp.int32)
         kw = dict(positions=positions, cache=cache, attention_mask=attention_mask)
+        if segments is not None and cache is None:  # packed rows without a cache (training's online target)
+            seg = jnp.asarray(segments, jnp.int32)
+            if seg.shape != (B, T):
+                raise ValueError(f"segments {seg.shape} do not fit input_ids {input_ids.shape}: without a cache they "
+                                 f"are int [B, T], one sequence id per token")
+            if attention_mask is not None:
+                raise ValueError("give segments or attention_mask, not both (padding is a segment of its own)")
+            return cls("plain", q_pos=jnp.broadcast_to(ar, (B, T)), kv_pos=ar, seg=seg,
+                       same=seg[:, :, None] == seg[:, None, :], **kw)
         if segments is not None:
-            if cache is None or B != 1:
-                raise ValueError(f"a packed prefill (segments) takes one row and a cache, got input_ids {input_ids.shape}"
-                                 f" and {'a' if cache is not None else 'no'} cache")
+            if B != 1:
+                raise ValueError(f"a packed prefill (segments) with a cache takes one row, got input_ids "
+                                 f"{input_ids.shape}")
             seg = jnp.asarray(segments, jnp.int32)
             same = (seg[:, None] == seg[None, :]) & (seg[None, :] < cache.batch)
             return cls("packed", q_pos=positions, kv_pos=positions[0], seg=seg, same=same, **kw)
@@ -262,6 +274,8 @@ class _Mode:
             self.masks[w] = causal_mask(self.q_pos, self.kv_pos, sliding_window=w, kv_valid=self.kv_valid)
             if self.kind == "packed":
                 self.masks[w] = self.masks[w] & self.same[None, None]
+            elif self.seg is not None:  # packed rows without a cache: [B, T, T]
+                self.masks[w] = self.masks[w] & self.same[:, None]
         return self.masks[w]
 
     def attend(self, i: int, attn, q, k, v, w):
@@ -276,9 +290,10 @@ class _Mode:
         if self.kind in ("cache", "tree"):
             nk, nv = write_cache(self.cache.k[i], self.slots, k), write_cache(self.cache.v[i], self.slots, v)
             return self._attend_cache(attn, i, q, k, v, nk, nv, w), nk, nv
-        if self.pallas:
-            return kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, kv_valid=self.kv_valid),
-                                    scale=attn.scaling), k, v
+        if self.pallas:  # packed rows: a sequence's tokens are contiguous, so causal within a segment is exact
+            spec = kt.causal(window=w, segment_ids=self.seg) if self.seg is not None else \
+                kt.causal(window=w, kv_valid=self.kv_valid)
+            return kt.tpu_attention(q, k, v, mask_spec=spec, scale=attn.scaling), k, v
         return attend(q, k, v, self.mask(w), scale=attn.scaling), k, v
 
     def _attend_cache(self, attn, i, q, rows_k, rows_v, k, v, w):

@@ -14,7 +14,7 @@ import numpy as np
 
 from specjax.train.errors import HiddenStateCacheError
 from specjax.train.hidden_states import hs_path, read_hs
-from specjax.train import algorithms
+from specjax.train import algorithms, online
 from specjax.train.packing import collate, multipack_batches
 
 
@@ -25,7 +25,8 @@ class TrainData:
                  total_seq_len: int, seed: int, replicas: int = 1, prompt_loss: bool = False, online=None,
                  max_context_tokens: int | None = None):
         self.dir = Path(data_dir)
-        self.online = online  # specjax.train.online.OnlineStates: hidden states from the target, not the cache
+        self.online = bool(online)  # hidden states from the target inside the step (specjax.train.online)
+        self.target_lengths: set[int] = set()  # online: the target-row lengths built (one step compile each)
         self.rows = rows
         self.indices = np.asarray(list(indices), np.int64)
         self.algo = algo
@@ -87,11 +88,10 @@ class TrainData:
         shift = 1 if self.shift is not None else 0
         return min(self.T, sum(max(self.length(i) - shift, 0) for i in idx))
 
-    def sample(self, i: int) -> dict:
+    def sample(self, i: int, hs=None) -> dict:
+        """Row ``i`` as speculators' dataset gives it, its states from the cache (or ``hs`` [T, L, H])."""
         ids = self.rows.input_ids[i]
-        if self.online is not None:
-            hs = self.online(ids)
-        else:
+        if hs is None:
             p = hs_path(self.dir, i)
             rec = read_hs(p)
             hs = rec.hidden_states
@@ -105,9 +105,41 @@ class TrainData:
                 "verifier_last_hidden_states": hs[a:, -1], "loss_mask": mask[a:],
                 "position_ids": np.arange(a, T, dtype=np.int64)}
 
-    def batch(self, idx: np.ndarray) -> dict:
-        return collate([self.sample(int(i)) for i in idx], self.T, hidden_size=self.hidden, num_aux=self.num_aux,
-                       preprocess=self.shift)
+    def batch(self, idx: np.ndarray, target_len: int | None = None) -> dict:
+        """The packed row of rows ``idx``; online, with the target's input and gather indices in place
+        of the states (``target_len``: the target row's length, default :meth:`target_need`'s)."""
+        if not self.online:
+            return collate([self.sample(int(i)) for i in idx], self.T, hidden_size=self.hidden,
+                           num_aux=self.num_aux, preprocess=self.shift)
+        whole, off = self._target_samples(idx)
+        samples = []
+        # the cache path's own sample / shift / collate, on 1 + target-row positions instead of states
+        for (i, n), o in zip(whole, off):
+            pos = np.where(np.arange(len(self.rows.input_ids[i])) < n,
+                           o + np.arange(len(self.rows.input_ids[i])) + 1, 0)
+            samples.append(self.sample(i, hs=np.repeat(pos[:, None, None], 2, axis=1)))
+        out = collate(samples, self.T, hidden_size=1, num_aux=1, preprocess=self.shift)
+        if not samples:  # collate's empty row holds float zeros
+            out = {k: (v.astype(np.int64) if "hidden_states" in k else v) for k, v in out.items()}
+        L = online.target_length(self.T, sum(n for _, n in whole)) if target_len is None else int(target_len)
+        self.target_lengths.add(L)
+        out["hs_index"] = out.pop("hidden_states")[..., 0].astype(np.int32)
+        out["last_index"] = out.pop("verifier_last_hidden_states")[..., 0].astype(np.int32)
+        out.update(online.pack_targets([self.rows.input_ids[i][:n] for i, n in whole], L))
+        return out
+
+    def _target_samples(self, idx) -> tuple[list[tuple[int, int]], list[int]]:
+        """Online: ``[(row, tokens the target runs on it)]`` (from token 0, enough for every draft
+        position the packed row can hold) and each row's offset in the target row."""
+        shift = 1 if self.shift is not None else 0
+        whole = [(int(i), min(len(self.rows.input_ids[int(i)]), self.start(int(i)) + self.T + shift)) for i in idx]
+        off = np.cumsum([0] + [n for _, n in whole])[:-1].tolist()
+        return whole, off
+
+    def target_need(self, step: tuple[np.ndarray, ...]) -> int:
+        """Online: one step's target-row length (its longest packed row's need; every process computes
+        the same from the step's row indices)."""
+        return max(online.target_length(self.T, sum(n for _, n in self._target_samples(idx)[0])) for idx in step)
 
 
 class Prefetch:

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import specjax.sharding as shd
 from specjax import placement
-from specjax.train import algorithms
+from specjax.train import algorithms, online
 from specjax.train.config import TrainConfig
 
 TRACE_COUNT = {"train_step": 0, "eval_step": 0}  # every trace in this process (per run: StepFns.traces)
@@ -66,7 +67,23 @@ def _objective(graphdef, algorithm, cdt):
     return forward
 
 
-def _train_step(forward, tx, where, traces: dict):
+def _no_target(frozen, batch):
+    return frozen, batch
+
+
+def _online_prepare(target_graphdef, layer_ids, out_dtype):
+    """``(frozen, batch) -> (frozen, batch)`` for ``data.online``: ``frozen`` is ``(the draft's
+    frozen tensors, the target's state)``; the batch's hidden states are computed by the target
+    (:func:`specjax.train.online.fill`)."""
+    def prepare(frozen, batch):
+        draft_frozen, target_state = frozen
+        target = nnx.merge(target_graphdef, target_state)
+        return draft_frozen, online.fill(target, layer_ids, out_dtype, batch)
+
+    return prepare
+
+
+def _train_step(forward, tx, where, traces: dict, prepare=_no_target):
     """The train step before jit: the gradient of ``forward`` and one optimizer update, traced for ``where``."""
     def _train(params, opt_state, batch, frozen):
         with placement.building_for(where):
@@ -75,6 +92,7 @@ def _train_step(forward, tx, where, traces: dict):
     def _train_body(params, opt_state, batch, frozen):
         TRACE_COUNT["train_step"] += 1
         traces["train_step"] += 1
+        frozen, batch = prepare(frozen, batch)
         (loss, metrics), grads = jax.value_and_grad(forward, has_aux=True)(params, frozen, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -84,7 +102,7 @@ def _train_step(forward, tx, where, traces: dict):
     return _train
 
 
-def _eval_step(forward, where, traces: dict):
+def _eval_step(forward, where, traces: dict, prepare=_no_target):
     """The eval step before jit: each row scored alone, metrics summed over the rows that hold tokens."""
     def _eval(params, batch, frozen):
         with placement.building_for(where):
@@ -93,6 +111,7 @@ def _eval_step(forward, where, traces: dict):
     def _eval_body(params, batch, frozen):
         TRACE_COUNT["eval_step"] += 1
         traces["eval_step"] += 1
+        frozen, batch = prepare(frozen, batch)
         if batch["input_ids"].shape[0] == 1:
             return forward(params, frozen, batch)[1]
         rows = {k: v for k, v in batch.items() if k != "rng"}
@@ -110,18 +129,36 @@ def _eval_step(forward, where, traces: dict):
     return _eval
 
 
-def _jit_steps(train, evaluate, shardings):
-    """Both steps jitted: plain on one device, else explicit in/out shardings, params and optimizer state donated."""
+def _jit_steps(train, evaluate, shardings, target_shardings=None):
+    """Both steps jitted: plain on one device, else explicit in/out shardings, params and optimizer
+    state donated (online, the frozen argument is ``(draft frozen, target state)``)."""
     if shardings is None:
         return jax.jit(train), jax.jit(evaluate)
     s = shardings
-    train_j = jax.jit(train, in_shardings=(s.params, s.opt_state, s.batch, s.frozen),
+    frozen = s.frozen if target_shardings is None else (s.frozen, target_shardings)
+    train_j = jax.jit(train, in_shardings=(s.params, s.opt_state, s.batch, frozen),
                       out_shardings=(s.params, s.opt_state, s.replicated), donate_argnums=(0, 1))
-    eval_j = jax.jit(evaluate, in_shardings=(s.params, s.batch, s.frozen), out_shardings=s.replicated)
+    eval_j = jax.jit(evaluate, in_shardings=(s.params, s.batch, frozen), out_shardings=s.replicated)
     return train_j, eval_j
 
 
-def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> StepFns:
+@dataclass
+class OnlineTarget:
+    """``data.online``: the target the step runs (its graphdef and state, placed: on a mesh by
+    ``TARGET_RULES``), the layers it taps and the states' dtype (the cache's)."""
+    graphdef: object
+    state: object
+    layer_ids: tuple[int, ...]
+    out_dtype: object
+
+    @classmethod
+    def of(cls, model, layer_ids, out_dtype) -> "OnlineTarget":
+        graphdef, state = nnx.split(model)
+        return cls(graphdef, state, tuple(int(i) for i in layer_ids), jnp.dtype(out_dtype))
+
+
+def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None, online_target: OnlineTarget | None = None
+                  ) -> StepFns:
     """The jitted train / eval steps. ``shardings`` (:class:`specjax.train.sharded.StepShardings`)
     makes both ``jax.jit`` with explicit in/out shardings (params, optimizer state and frozen
     tensors as given, the batch on ``("data", "fsdp")``, metrics replicated) and donates the
@@ -138,13 +175,21 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None) -> Ste
     # where the steps run: the mesh's devices (a TPU mesh compiled from a CPU host included), else
     # the device the params live on; read at trace time by the platform-specific layers
     where = shardings.mesh if shardings is not None else placement.platform_of(frozen)
-    train_j, eval_j = _jit_steps(_train_step(forward, tx, where, traces), _eval_step(forward, where, traces),
-                                 shardings)
+    prepare, target_sh = _no_target, None
+    if online_target is not None:
+        prepare = _online_prepare(online_target.graphdef, online_target.layer_ids, online_target.out_dtype)
+        target_sh = None if shardings is None else shd.shardings_of(online_target.state)
+    train_j, eval_j = _jit_steps(_train_step(forward, tx, where, traces, prepare),
+                                 _eval_step(forward, where, traces, prepare), shardings, target_sh)
     # The frozen tensors (the verifier's embedding and head) never change: cast them to the compute
-    # dtype once here, not inside every step (a [V, H] convert per step otherwise).
+    # dtype once here, not inside every step (a [V, H] convert per step otherwise). The target runs
+    # in its own dtype, as extraction runs it.
     frozen_c = _cast(frozen, cdt)
+    if online_target is not None:
+        frozen_c = (frozen_c, online_target.state)
+    loss = forward if online_target is None else (lambda p, f, b: forward(p, *prepare(f, b)))
     return StepFns(lambda p, o, b: train_j(p, o, b, frozen_c), lambda p, b: eval_j(p, b, frozen_c), traces,
-                   train_jit=train_j, eval_jit=eval_j, frozen=frozen_c, loss=forward)
+                   train_jit=train_j, eval_jit=eval_j, frozen=frozen_c, loss=loss)
 
 
 def device_batch(b: dict, rng=None) -> dict:

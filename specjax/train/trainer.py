@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
@@ -73,7 +72,6 @@ from specjax.train.feed import Prefetch, TrainData, schedule_items, validation_s
 from specjax.train.hidden_states import DTYPES as HS_DTYPES, cache_layer_ids, default_aux_layer_ids, verify_cache
 from specjax.train.metric_sinks import check_available, open_sinks
 from specjax.train.objectives import normalize_metrics
-from specjax.train.online import OnlineStates
 from specjax.train.optim import build_optimizer, resolve_schedule_steps
 from specjax.train.pipeline import (
     load_data_dir, local_data_dir, needs_prepare, prepare_data, recipe_data_spec, recipe_prompts,
@@ -82,7 +80,7 @@ from specjax.train.run_files import (
     TargetInfo, check_output_dir, checkpoint_manager, keep_metrics_through, partial_saves, restore_state, save_state,
     target_info_if_light, write_run_files,
 )
-from specjax.train.step import device_batch, make_step_fns
+from specjax.train.step import OnlineTarget, device_batch, make_step_fns
 
 
 class Run:
@@ -181,10 +179,11 @@ class Run:
         """Where hidden states come from (the cache, checked, or the target online) and the train /
         validation feeds. Returns the train split's indices."""
         cfg, tc = self.cfg, self.target.config
-        self.online = None
-        if cfg.data.online:  # the target computes each row's hidden states as training reads it
-            self.online = OnlineStates(self.target.model, self.layer_ids,
-                                       jnp.dtype(HS_DTYPES[cfg.data.hidden_states_dtype]), mesh=self.mesh)
+        self.online = bool(cfg.data.online)
+        if self.online:  # the target computes each row's hidden states inside the step
+            if jax.process_count() > 1:
+                raise TrainError("data.online is single-process for now (one host, any mesh on it); multi-process "
+                                 "runs read the hidden-state cache (data.online: false)", key="data.online")
         else:
             verify_cache(rows, ddir, aux_layer_ids=self.aux, num_layers=tc.num_hidden_layers,
                          hidden_size=tc.hidden_size, sample=min(len(rows), 64))
@@ -267,7 +266,10 @@ class Run:
             params = sharded.place(params, sh.params)
             self.frozen = frozen = sharded.place(frozen, sh.frozen)
             opt_state = jax.jit(self.tx.init, out_shardings=sh.opt_state)(params)
-        self.fns = make_step_fns(graphdef, frozen, self.tx, cfg, self.shardings)
+        online = None
+        if self.online:  # the target (placed by TARGET_RULES on a mesh) runs inside the step
+            online = OnlineTarget.of(self.target.model, self.layer_ids, HS_DTYPES[cfg.data.hidden_states_dtype])
+        self.fns = make_step_fns(graphdef, frozen, self.tx, cfg, self.shardings, online)
         # The step holds the frozen tensors (the verifier's embedding / head) once, in the compute
         # dtype (fns.frozen); their float32 originals go to the host, for exports, instead of
         # staying on the device beside that copy.
@@ -303,7 +305,8 @@ class Run:
 
     def host_rows(self, data: TrainData, step: tuple[np.ndarray, ...]) -> dict[int, dict]:
         """The packed rows of one step that this process feeds: ``{row: [1, T, ...] arrays}``."""
-        return {r: data.batch(step[r]) for r in self.local_rows}
+        tl = data.target_need(step) if data.online else None  # every row of a step: one target length
+        return {r: data.batch(step[r], tl) if data.online else data.batch(step[r]) for r in self.local_rows}
 
     def device_batch(self, rows: dict[int, dict], step: int) -> dict:
         """Host rows -> the step's batch: ``[N, T, ...]`` on one device, or global arrays split
@@ -399,7 +402,7 @@ class Run:
         params, opt_state = self.build_state()
         # Training reads cached hidden states: the target's weights are not needed on the device any
         # more (its config and tokenizer stay). A caller that passed target= keeps its own reference.
-        if self.online is None:
+        if not self.online:
             self.target = TargetInfo.of(self.target)
         mngr = self._manager()
         start, best = 0, {"val_loss": None, "step": None}
@@ -456,7 +459,7 @@ class Run:
                    "stopped": lp.stopped, "seconds": round(time.perf_counter() - t_start, 2),
                    "train_seconds": round(time.perf_counter() - lp.t0, 2), "tokens_seen": lp.tok_seen,
                    "compiles": dict(self.fns.traces), "best": lp.best, "last_metrics": lp.summary_metrics,
-                   "online_tap_lengths": sorted(self.online.lengths) if self.online is not None else None,
+                   "online_target_lengths": sorted(self.train_data.target_lengths) if self.online else None,
                    "mesh": self.mesh_desc, "rows_per_step": self.replicas, "processes": jax.process_count(),
                    "output_dir": str(self.out)}
         if lp.stopped != "stop_after":

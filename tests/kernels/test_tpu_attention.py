@@ -426,6 +426,48 @@ def test_target_tpu_path_matches_xla():
         np.testing.assert_allclose(g, r, atol=F32_TOL)
 
 
+def test_packed_rows_without_cache_equal_separate_forwards():
+    """Training's online target: rows packing several sequences (``segments`` without a cache, each
+    sequence at its own positions from 0, padding a segment of its own) give each sequence's tapped
+    states as a forward of that sequence alone, on the XLA path and on the TPU path (Pallas in
+    interpret mode); the sliding-window layer included (float32, <= 1e-5)."""
+    from flax import nnx
+
+    from specjax.models.config import TargetConfig
+    from specjax.models.target import build_model
+    from tests.sharding.tiny import target_config
+
+    model = build_model(TargetConfig.from_hf(target_config("qwen3", 2)), rngs=nnx.Rngs(0))
+    gd, st = nnx.split(model)
+    lens = [[7, 9], [12, 5]]  # two rows: sequences of 7 and 9 tokens, of 12 and 5, then padding to 20
+    T = 20
+    ids = jax.random.randint(jax.random.PRNGKey(2), (2, T), 0, model.config.vocab_size)
+    seg = np.full((2, T), -1, np.int32)
+    pos = np.zeros((2, T), np.int32)
+    for b, row in enumerate(lens):
+        o = 0
+        for k, n in enumerate(row):
+            seg[b, o: o + n], pos[b, o: o + n] = k, np.arange(n)
+            o += n
+    taps = (0, 1, 2)
+
+    def fwd(st):
+        out = nnx.merge(gd, st)(ids, segments=jnp.asarray(seg), positions=jnp.asarray(pos), tap_ids=taps,
+                                return_logits=False)
+        return jnp.stack(out.aux_hidden_states, axis=2)
+
+    got, ref = _tpu_path_vs_xla(fwd, st)
+    for b, row in enumerate(lens):
+        o = 0
+        for n in row:
+            alone = jnp.stack(model(ids[b: b + 1, o: o + n], tap_ids=taps).aux_hidden_states, axis=2)[0]
+            np.testing.assert_allclose(np.asarray(ref[b, o: o + n]), np.asarray(alone), atol=F32_TOL)
+            np.testing.assert_allclose(np.asarray(got[b, o: o + n]), np.asarray(alone), atol=F32_TOL)
+            o += n
+    with pytest.raises(ValueError, match="segments"):
+        model(ids, segments=jnp.asarray(seg[0]), positions=jnp.asarray(pos))
+
+
 @pytest.mark.parametrize("algo", ["eagle3", "peagle", "dflash", "mtp"])
 def test_draft_training_tpu_path_matches_xla(algo):
     """Each draft's training forward on the TPU path (EAGLE-3 TTT specs, P-EAGLE / DFlash dense

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -253,9 +254,9 @@ def test_cached_data_trains_without_the_target_on_the_device(tmp_path, tiny_data
 
 
 def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_data, tiny_target):
-    """data.online: the target computes each row's hidden states while training. On the same rows the
+    """data.online: the target computes each row's hidden states inside the train step. On the same rows the
     batch, loss and gradients equal those of a run reading a float32 cache written by extraction
-    (1e-5); the tap compiles once per 64-token bucket and the step once; a killed online run
+    (1e-5), also with rows trimmed by data.max_context_tokens; the step compiles once; a killed online run
     resumes bit-exactly."""
     from specjax.train.pipeline import load_data_dir, prepare_data
     from specjax.train.step import device_batch
@@ -269,31 +270,40 @@ def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_
                            for i in range(len(rows))))
     d32 = tmp_path / "d32"
     prepare_data(d32, tiny_spec(src, regenerate=False, hidden_states_dtype="float32"), tiny_target, progress=False)
-    f32 = ("data.hidden_states_dtype=float32",)
-    cached = Run(recipe(d32, tmp_path / "c", *f32), target=tiny_target, progress=False)
-    online = Run(recipe(d32, tmp_path / "o", *f32, "data.online=true"), target=tiny_target, progress=False)
-    b = cached.train_data.step_batches(0)[0]
-    rc, ro = cached.train_data.batch(b[0]), online.train_data.batch(b[0])
-    assert set(rc) == set(ro)
-    for k in rc:
-        np.testing.assert_allclose(np.asarray(ro[k], np.float64), np.asarray(rc[k], np.float64), atol=1e-5, rtol=0)
-    pc, _ = cached.build_state()
-    po, _ = online.build_state()
+    from specjax.train.online import fill
 
-    def loss_and_grads(run, params, rows):
-        batch = device_batch(rows, jax.random.key(0))
-        return jax.jit(jax.value_and_grad(lambda p: run.fns.loss(p, run.fns.frozen, batch)[0]))(params)
+    # whole rows, and rows trimmed to 2 prompt tokens before the answer (the target still sees the whole prompt)
+    for trim in ((), ("data.max_context_tokens=2",)):
+        f32 = ("data.hidden_states_dtype=float32", *trim)
+        cached = Run(recipe(d32, tmp_path / f"c{len(trim)}", *f32), target=tiny_target, progress=False)
+        online = Run(recipe(d32, tmp_path / f"o{len(trim)}", *f32, "data.online=true"), target=tiny_target,
+                     progress=False)
+        b = cached.train_data.step_batches(0)[0]
+        rc, ro = cached.train_data.batch(b[0]), online.train_data.batch(b[0])
+        assert any(online.train_data.start(int(i)) > 0 for i in b[0]) == bool(trim)  # the trim takes effect
+        filled = jax.jit(lambda r: fill(tiny_target.model, online.layer_ids, jnp.float32, r))(ro)
+        assert set(rc) == set(filled)
+        for k in rc:
+            np.testing.assert_allclose(np.asarray(filled[k], np.float64), np.asarray(rc[k], np.float64), atol=1e-5,
+                                       rtol=0)
+        pc, _ = cached.build_state()
+        po, _ = online.build_state()
 
-    lc, gc = loss_and_grads(cached, pc, rc)
-    lo, go = loss_and_grads(online, po, ro)
-    assert abs(float(lc) - float(lo)) <= 1e-5 * max(1.0, abs(float(lc)))
-    for a, c in zip(jax.tree.leaves(go), jax.tree.leaves(gc)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5, rtol=0)
+        def loss_and_grads(run, params, rows):
+            batch = device_batch(rows, jax.random.key(0))
+            return jax.jit(jax.value_and_grad(lambda p: run.fns.loss(p, run.fns.frozen, batch)[0]))(params)
+
+        lc, gc = loss_and_grads(cached, pc, rc)
+        lo, go = loss_and_grads(online, po, ro)
+        assert abs(float(lc) - float(lo)) <= 1e-5 * max(1.0, abs(float(lc)))
+        for a, c in zip(jax.tree.leaves(go), jax.tree.leaves(gc)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5, rtol=0)
 
     extra = ("data.online=true", "trainer.epochs=2")
     ref = Run(recipe(tiny_data, tmp_path / "a", *extra), target=tiny_target, progress=False)
     s = ref.train()
-    assert all(t % 64 == 0 for t in s["online_tap_lengths"]) and len(s["online_tap_lengths"]) <= 3
+    T = ref.cfg.data.total_seq_len
+    assert s["online_target_lengths"] == [T]  # rows that fit the draft row: the target row is the draft row's size
     assert s["compiles"]["train_step"] == 1
     r1 = Run(recipe(tiny_data, tmp_path / "b", *extra), target=tiny_target, progress=False)
     r1.train(stop_after=5)
