@@ -26,6 +26,9 @@ import specjax.sharding as shd
 #: rank of each packed-row key (``specjax.train.packing.collate`` + ``document_ids``)
 BATCH_NDIM = {"hidden_states": 3, "input_ids": 2, "verifier_last_hidden_states": 3, "loss_mask": 2,
               "position_ids": 2, "document_ids": 2}
+# data.online: the target's packed input and the gather indices replace the states (specjax.train.online)
+ONLINE_BATCH_NDIM = {**{k: n for k, n in BATCH_NDIM.items() if "hidden_states" not in k},
+                     "target_ids": 2, "target_positions": 2, "target_segments": 2, "hs_index": 2, "last_index": 2}
 
 
 @dataclass(frozen=True)
@@ -43,13 +46,14 @@ class StepShardings:
         return shd.replicated(self.mesh)
 
 
-def step_shardings(params, frozen, tx, mesh: Mesh) -> StepShardings:
+def step_shardings(params, frozen, tx, mesh: Mesh, online: bool = False) -> StepShardings:
     """Shardings of every leaf, checked against the rules and the mesh before anything is placed
-    (an unmatched leaf or an indivisible dimension raises one error naming the mesh)."""
+    (an unmatched leaf or an indivisible dimension raises one error naming the mesh); ``online``:
+    the batch of ``data.online`` (:data:`ONLINE_BATCH_NDIM`)."""
     p_sh = shd.named_shardings(params, shd.DRAFT_RULES, mesh)
     f_sh = shd.named_shardings(frozen, shd.DRAFT_RULES, mesh)
     o_sh = shd.named_shardings(jax.eval_shape(tx.init, params), shd.OPTIMIZER_RULES, mesh)
-    b_sh = {k: shd.batch_sharding(mesh, n) for k, n in BATCH_NDIM.items()}
+    b_sh = {k: shd.batch_sharding(mesh, n) for k, n in (ONLINE_BATCH_NDIM if online else BATCH_NDIM).items()}
     b_sh["rng"] = shd.replicated(mesh)
     return StepShardings(mesh, p_sh, f_sh, o_sh, b_sh)
 

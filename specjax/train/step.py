@@ -152,8 +152,12 @@ class OnlineTarget:
     out_dtype: object
 
     @classmethod
-    def of(cls, model, layer_ids, out_dtype) -> "OnlineTarget":
+    def of(cls, model, layer_ids, out_dtype, mesh=None) -> "OnlineTarget":
+        """``model``'s state; with ``mesh``, placed there by ``TARGET_RULES`` unless it already is
+        (the caller's model is left alone)."""
         graphdef, state = nnx.split(model)
+        if mesh is not None and shd.mesh_of(model) != mesh:
+            state = jax.device_put(state, shd.named_shardings(state, shd.TARGET_RULES, mesh))
         return cls(graphdef, state, tuple(int(i) for i in layer_ids), jnp.dtype(out_dtype))
 
 

@@ -262,13 +262,14 @@ class Run:
         if self.mesh is None:
             opt_state = self.tx.init(params)
         else:
-            self.shardings = sh = sharded.step_shardings(params, frozen, self.tx, self.mesh)
+            self.shardings = sh = sharded.step_shardings(params, frozen, self.tx, self.mesh, self.online)
             params = sharded.place(params, sh.params)
             self.frozen = frozen = sharded.place(frozen, sh.frozen)
             opt_state = jax.jit(self.tx.init, out_shardings=sh.opt_state)(params)
         online = None
         if self.online:  # the target (placed by TARGET_RULES on a mesh) runs inside the step
-            online = OnlineTarget.of(self.target.model, self.layer_ids, HS_DTYPES[cfg.data.hidden_states_dtype])
+            online = OnlineTarget.of(self.target.model, self.layer_ids, HS_DTYPES[cfg.data.hidden_states_dtype],
+                                     self.mesh)
         self.fns = make_step_fns(graphdef, frozen, self.tx, cfg, self.shardings, online)
         # The step holds the frozen tensors (the verifier's embedding / head) once, in the compute
         # dtype (fns.frozen); their float32 originals go to the host, for exports, instead of

@@ -14,6 +14,8 @@ starts). The script, on a tiny random target (tests/sharding/tiny.py) and pretok
 * a resume on 8x1x1 (8 rows per step instead of 4) of a 2x2x2 run is refused, naming both meshes;
 * ``specjax train --mesh cpu-8 --config <recipe> --resume`` trains on 2x2x2 (the target loaded
   from its directory onto the mesh) and ends bit for bit where the library run ended.
+* ``data.online``: the target, placed by ``TARGET_RULES``, runs inside the 2x2x2 train step and
+  starts at the cached run's loss (1e-6) and ends at it (1e-5; params 1e-4); one compile, no cache written;
 * a 1-device mesh (what ``--mesh default`` gives on one device: explicit shardings, placed
   state) computes bit for bit what ``mesh=None`` computes; a rows-per-step that is not a multiple
   of data x fsdp is refused, naming the mesh.
@@ -40,7 +42,7 @@ def test_trainer_on_meshes(tmp_path):
     res = json.loads(done[-1][len("RESULT "):])
     assert res["devices"] == 8
     assert set(res["checked"]) >= {"extract 2x2x2", "cli extract 2x1x4", "8x1x1", "2x2x2", "1x1x1", "resume 2x2x2", "resume refused",
-                                   "cli cpu-8"}, res
+                                   "cli cpu-8", "online 2x2x2"}, res
 
 
 # ----------------------------------------------------------------------------- the 8-device script
@@ -217,6 +219,21 @@ def main(root: Path) -> None:
             except TrainError as e:
                 assert "multiple of data x fsdp = 4 on mesh {data: 2, fsdp: 2, tensor: 2}" in str(e), e
             checked.append("1x1x1")
+
+    # ---- online: the target (single-device lt, placed by TARGET_RULES) runs inside the 2x2x2 step and
+    # computes the states the cache holds: the cached 4-row run's loss and params
+    on, ons = run("online 2x2x2", m222, None, "data.online=true", "data.hidden_states_dtype=float32")  # the cache's
+    assert ons["compiles"]["train_step"] == 1 and ons["online_target_lengths"] == [64], ons
+    # step 1's loss (before any update), then the run's
+    first = [[json.loads(x)["loss"] for x in (root / d / "metrics.jsonl").read_text().splitlines()
+              if '"step": 1,' in x and '"val"' not in x] for d in ("online 2x2x2", "ref4")]
+    assert len(first[0]) == len(first[1]) == 1, first
+    np.testing.assert_allclose(first[0][0], first[1][0], rtol=1e-6)
+    np.testing.assert_allclose(ons["last_metrics"]["loss"], rs["last_metrics"]["loss"], rtol=1e-5)
+    _assert_params_close(on.params, ref.params, "online 2x2x2", tol=1e-4)
+    _assert_rule_shardings(on.fns.frozen[1], shd.TARGET_RULES, m222, "online target")
+    assert not any((root / "online 2x2x2").rglob("hs_*.safetensors"))
+    checked.append("online 2x2x2")
 
     # ---- resume: the 2x2x2 run's step-2 checkpoint (its step-3 one dropped, as if killed before
     # writing it), resumed by the CLI on the cpu-8 preset (2x2x2, target loaded from its directory
