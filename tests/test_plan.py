@@ -36,7 +36,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def v5e(cfg):
-    rows = plan(cfg, "v5e:2x4", programs="train,extract,generate,speculate", target_overrides=LAYERS, k=3,
+    rows = plan(cfg, "v5e:2x4", programs="train,extract,generate,speculate,train-online", target_overrides=LAYERS, k=3,
                 prompt_len=64, new_tokens=32)
     return {r.program: r for r in rows}
 
@@ -57,7 +57,7 @@ def _check_row(r, chip):
 
 
 def test_v5e_programs_compile_and_fit(v5e):
-    assert set(v5e) == {"train", "extract", "generate", "speculate"}
+    assert set(v5e) == {"train", "extract", "generate", "speculate", "train-online"}
     for r in v5e.values():
         _check_row(r, CHIPS["v5e"])
         assert r.topology == "v5e:2x4" and "tensor: 8" in r.mesh and "tpu" in r.mesh
@@ -89,6 +89,22 @@ def test_v5e_programs_compile_and_fit(v5e):
     g = v5e["generate"]
     layer_bytes = 2 * 218_112_000 * 2 / 8  # 2 Llama-3.1-8B layers, bf16, over tensor=8
     assert layer_bytes < g.hbm_bytes <= (g.argument_gib + g.output_gib) * 2**30, (g.hbm_bytes, g.argument_gib)
+
+
+def test_online_train_step_is_the_train_step_plus_an_extraction(v5e):
+    """data.online's step (the target sharded by TARGET_RULES inside the train step) compiles and fits
+    on v5e-8; it computes what the cached step and an extraction of the same rows compute (flops,
+    flash-attention flops: the target's forward once, the draft's forward and backward) and moves
+    about what both move, the hidden states staying on the chip; the target's weights are its argument."""
+    o, t, e = v5e["train-online"], v5e["train"], v5e["extract"]
+    assert o.compiled and o.fits, o.error
+    assert o.shape == t.shape and e.shape["rows"] == t.shape["rows"] and e.shape["seq"] == t.shape["seq"]
+    assert o.kernel_flops == t.kernel_flops + e.kernel_flops, (o.kernel_flops, t.kernel_flops, e.kernel_flops)
+    assert abs(o.flops - (t.flops + e.flops)) <= 0.01 * o.flops, (o.flops, t.flops, e.flops)
+    assert o.hbm_bytes <= 1.05 * (t.hbm_bytes + e.hbm_bytes), (o.hbm_bytes, t.hbm_bytes, e.hbm_bytes)
+    target_bytes = 2 * 218_112_000 * 2 / 8  # the 2 layers' bf16 weights per chip (tensor=8)
+    assert o.argument_gib * 2**30 >= t.argument_gib * 2**30 + target_bytes, (o.argument_gib, t.argument_gib)
+    assert o.custom_calls["tpu_custom_call"] == t.custom_calls["tpu_custom_call"] + e.custom_calls["tpu_custom_call"]
 
 
 def test_extract_attention_memory_does_not_grow_with_t_squared(cfg):

@@ -22,7 +22,8 @@ def plan_cmd(
                              help="mesh preset, YAML file or inline sizes over the slice's chips"),
     programs: str = typer.Option("train,extract,generate,speculate", "--programs",
                                  help="comma-separated: train, extract, generate, speculate, verify (k + 1 rows), "
-                                 "tree (the tree loop and one tree round)"),
+                                 "tree (the tree loop and one tree round), train-online (data.online: the target "
+                                 "inside the train step)"),
     batch: Optional[int] = typer.Option(None, "--batch", min=1,
                                         help="rows (train/extract; default data x fsdp) or sequences (decode; default 1)"),
     seq: Optional[int] = typer.Option(None, "--seq", min=8, help="train/extract row length (default data.total_seq_len)"),

@@ -39,11 +39,11 @@ from specjax.train.algorithms.base import trainable_filter_for
 from specjax.train.draft_doc import draft_config_doc
 from specjax.train.hidden_states import DTYPES, cache_layer_ids, default_aux_layer_ids, make_tap_fn
 from specjax.train.optim import build_optimizer
-from specjax.train.sharded import BATCH_NDIM, step_shardings
-from specjax.train.step import make_step_fns
+from specjax.train.sharded import BATCH_NDIM, ONLINE_BATCH_NDIM, step_shardings
+from specjax.train.step import OnlineTarget, make_step_fns
 
-PROGRAMS = ("train", "extract", "generate", "speculate", "verify", "tree")
-DEFAULT_PROGRAMS = PROGRAMS[:4]  # verify (a sweep over tree sizes) and tree: on request
+PROGRAMS = ("train", "extract", "generate", "speculate", "verify", "tree", "train-online")
+DEFAULT_PROGRAMS = PROGRAMS[:4]  # verify (a sweep over tree sizes), tree and train-online: on request
 DEFAULT_TREE = "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"  # vLLM's speculative_token_tree example
 
 
@@ -149,9 +149,10 @@ def _batch_or_rep(mesh, x):
 # ----------------------------------------------------------------------------- train
 
 
-def train_program(p: PlanInputs) -> Program:
+def train_program(p: PlanInputs, online: bool = False) -> Program:
     """The recipe's train step (``make_step_fns`` with ``step_shardings``, as ``Run`` builds it) for
-    ``N`` packed rows of ``seq`` tokens."""
+    ``N`` packed rows of ``seq`` tokens; ``online``: the ``data.online`` step, the target (sharded by
+    ``TARGET_RULES``, in ``target_dtype``) computing the hidden states inside it."""
     cfg, mesh = p.cfg, p.mesh
     dcfg = draft_config(p)
     model = build_draft(dcfg, param_dtype=jnp.float32, abstract=True)
@@ -163,22 +164,33 @@ def train_program(p: PlanInputs) -> Program:
                             scheduler_type=cfg.scheduler.scheduler_type, warmup=10, total=1000,
                             num_cycles=cfg.scheduler.scheduler_num_cosine_cycles, max_grad_norm=o.max_grad_norm,
                             mesh=mesh)
-    sh = step_shardings(params, frozen, tx, mesh)
+    sh = step_shardings(params, frozen, tx, mesh, online)
     params_a = shd.abstract_with_shardings(params, sh.params)
     frozen_a = shd.abstract_with_shardings(frozen, sh.frozen)
     opt_a = shd.abstract_with_shardings(jax.eval_shape(tx.init, params), sh.opt_state)
-    fns = make_step_fns(graphdef, frozen_a, tx, cfg, sh)
-
     N, T = _rows(p, "train"), int(p.seq or cfg.data.total_seq_len)
     H, A = p.target.hidden_size, len(_aux_ids(p))
     hs_dt = jnp.dtype(cfg.data.hidden_states_dtype)
+    target = None
+    if online:  # the target row is the draft row's length (rows not trimmed by data.max_context_tokens)
+        target = OnlineTarget.of(abstract_target(p), cache_layer_ids(_aux_ids(p), p.target.num_hidden_layers), hs_dt)
+    fns = make_step_fns(graphdef, frozen_a, tx, cfg, sh, target)
+
     shapes = {"hidden_states": ((N, T, A * H), hs_dt), "verifier_last_hidden_states": ((N, T, H), hs_dt)}
     batch = {}
-    for key, nd in BATCH_NDIM.items():
+    for key, nd in (ONLINE_BATCH_NDIM if online else BATCH_NDIM).items():
         shape, dt = shapes.get(key, ((N, T), jnp.int32))
         assert len(shape) == nd
         batch[key] = jax.ShapeDtypeStruct(shape, dt, sharding=sh.batch[key])
     batch["rng"] = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sh.batch["rng"])
+    if online:
+        return Program("train-online", {"rows": N, "seq": T, "algorithm": cfg.speculator_type,
+                                        "optimizer": o.optimizer}, lambda: fns.lower_train(params_a, opt_a, batch),
+                       tokens=N * T, resident_bytes=0, kernel_passes=4.5,
+                       notes=["the target's weights are the step's argument (counted in its arguments); its "
+                              "extraction-like forward runs once, the draft's forward and backward as in train",
+                              "kernel flops: the draft's attention 4.5 passes (forward and backward), the "
+                              "target's 1 (no gradient reaches it)"])
 
     # Run (specjax/train/trainer.py) trains from cached hidden states: the target's weights are not on
     # the device (an HF target is never loaded when the data is cached; a loaded one is released once
@@ -389,4 +401,5 @@ def tree_program(p: PlanInputs) -> Program:
 
 
 BUILDERS = {"train": train_program, "extract": extract_program, "generate": generate_program,
-            "speculate": speculate_program, "verify": verify_program, "tree": tree_program}
+            "speculate": speculate_program, "verify": verify_program, "tree": tree_program,
+            "train-online": lambda p: train_program(p, online=True)}

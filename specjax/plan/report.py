@@ -168,7 +168,7 @@ def analyse(prog, *, topology: str, mesh_desc: str, chip: Chip, with_step: bool 
             rep.custom_calls[k] = rep.custom_calls.get(k, 0) + v
     rep.collectives = coll
     flops, nbytes = _cost(cost_of)
-    rep.kernel_flops = sum(r["flops"] for r in kernels) * prog.kernel_passes
+    rep.kernel_flops = sum(r["flops"] * (r.get("passes") or prog.kernel_passes) for r in kernels)
     if any(not r["exact"] for r in kernels):
         rep.notes.append("flash attention under a runtime mask: kernel_flops counts all its blocks (an upper bound)")
     flops += rep.kernel_flops

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.kernels import tpu as kt
 from specjax.decode.batch import bucket as round_up
 
 BUCKET = 64  # target rows longer than the draft row grow in steps of this many tokens
@@ -64,8 +65,9 @@ def fill(model, layer_ids: Sequence[int], out_dtype, batch: dict) -> dict:
     target) from its ``target_*`` arrays and gathered by ``hs_index`` / ``last_index``; the online
     keys removed. Traced inside the train / eval step; no gradient flows into the target."""
     taps = tuple(int(i) for i in layer_ids)
-    out = model(batch["target_ids"], positions=batch["target_positions"], segments=batch["target_segments"],
-                tap_ids=taps, return_logits=False)
+    with kt.forward_only():  # (specjax plan's flop count: no backward pass runs through the target)
+        out = model(batch["target_ids"], positions=batch["target_positions"], segments=batch["target_segments"],
+                    tap_ids=taps, return_logits=False)
     hs = jax.lax.stop_gradient(jnp.stack(out.aux_hidden_states, axis=2).astype(out_dtype))  # [N, Tt, L, H]
     N, T = batch["hs_index"].shape
 

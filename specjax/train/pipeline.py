@@ -81,6 +81,9 @@ class DataSpec:
     seed: int = 0
     max_samples: int | None = None  # use the first N prompt records (after the shuffle below)
     shuffle_seed: int | None = None  # shuffle the prompt records first (datasets' Dataset.shuffle order)
+    # False: no hidden-state cache for the rows the target does not write itself (a recipe with
+    # data.online: true; regenerated answers keep the states their generation captured)
+    hidden_states: bool = True
     extra: dict = field(default_factory=dict)
 
 
@@ -116,7 +119,7 @@ def recipe_data_spec(cfg, num_hidden_layers: int) -> DataSpec:
                            "run `specjax data prepare` with explicit options", key="data.prepare")
     aux = list(cfg.draft.target_layer_ids) if cfg.draft.target_layer_ids else default_aux_layer_ids(num_hidden_layers)
     return DataSpec(**cfg.data.prepare.model_dump(), aux_layer_ids=aux, hidden_states_dtype=cfg.data.hidden_states_dtype,
-                    draft_vocab_size=cfg.draft.draft_vocab_size)
+                    draft_vocab_size=cfg.draft.draft_vocab_size, hidden_states=not cfg.data.online)
 
 
 def _user_turn_ends(conv: Conversation) -> list[int]:
@@ -339,7 +342,7 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
         write_prompt_file(d / "conversations.jsonl", regenerated)
     plain = [i for i, j in enumerate(perm) if sources[int(j)][0] == "row"]
     ext = None
-    if plain:
+    if plain and spec.hidden_states:
         ext = extract_hidden_states(lt.model, rows, d, aux_layer_ids=aux, dtype=spec.hidden_states_dtype,
                                     max_batch_tokens=spec.max_batch_tokens, indices=plain, progress=progress,
                                     target_name=str(lt.source), log=log)
@@ -351,7 +354,7 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
         "format": FORMAT, "complete": True, "target": str(lt.source), "target_kind": lt.kind,
         "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
         "aux_layer_ids": aux, "layer_ids": layer_ids, "hidden_states_dtype": spec.hidden_states_dtype,
-        "rows": len(rows), "tokens": int(rows.lengths.sum()), "supervised_tokens": rows.supervised_tokens(),
+        "hidden_states": spec.hidden_states or not plain, "rows": len(rows), "tokens": int(rows.lengths.sum()), "supervised_tokens": rows.supervised_tokens(),
         "distinct_supervised_tokens": len(freq), "prompts": spec.prompts, "regenerate": spec.regenerate,
         "seconds": round(time.perf_counter() - t0, 2), "spec": asdict(spec),
     }

@@ -256,8 +256,8 @@ def test_cached_data_trains_without_the_target_on_the_device(tmp_path, tiny_data
 def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_data, tiny_target):
     """data.online: the target computes each row's hidden states inside the train step. On the same rows the
     batch, loss and gradients equal those of a run reading a float32 cache written by extraction
-    (1e-5), also with rows trimmed by data.max_context_tokens; the step compiles once; a killed online run
-    resumes bit-exactly."""
+    (1e-5), also with rows trimmed by data.max_context_tokens; the step compiles once; data an online
+    recipe prepares has no state cache; a killed online run resumes bit-exactly."""
     from specjax.train.pipeline import load_data_dir, prepare_data
     from specjax.train.step import device_batch
     from tests.train.conftest import tiny_spec
@@ -298,6 +298,13 @@ def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_
         assert abs(float(lc) - float(lo)) <= 1e-5 * max(1.0, abs(float(lc)))
         for a, c in zip(jax.tree.leaves(go), jax.tree.leaves(gc)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5, rtol=0)
+
+    # an online recipe that builds its data from rows the target does not write writes no state cache
+    fresh = tmp_path / "fresh"
+    r0 = Run(recipe(fresh, tmp_path / "f", "data.online=true", f"data.prepare.prompts={src}",
+                    "data.prepare.regenerate=false", "trainer.max_steps=2"), target=tiny_target, progress=False)
+    assert r0.train()["steps"] == 2
+    assert (fresh / "state.json").is_file() and not list(fresh.rglob("hs_*.safetensors"))
 
     extra = ("data.online=true", "trainer.epochs=2")
     ref = Run(recipe(tiny_data, tmp_path / "a", *extra), target=tiny_target, progress=False)

@@ -19,9 +19,10 @@ from specjax.kernels.tpu.dispatch import (IMPLS, AttentionImplError, attention_i
                                           pallas_interpret, range_mask, tpu_attention, tree_cache_attention,
                                           tree_rows_attention)
 from specjax.kernels.tpu.masks import MaskSpec, MaskSpecError, causal, dense, dense_mask, segments_from_documents, ttt
-from specjax.kernels.tpu.splash import KernelShapeError, count_kernel_flops, flash_attention, sharded_flash_attention
+from specjax.kernels.tpu.splash import (KernelShapeError, count_kernel_flops, flash_attention, forward_only,
+                                        sharded_flash_attention)
 
 __all__ = ["IMPLS", "AttentionImplError", "KernelShapeError", "MaskSpec", "MaskSpecError", "attention_impl",
-           "cache_attention", "cache_slots", "causal", "count_kernel_flops", "decode_attention", "dense", "dense_mask", "flash_attention",
+           "cache_attention", "cache_slots", "causal", "count_kernel_flops", "decode_attention", "dense", "dense_mask", "flash_attention", "forward_only",
            "merge_attention", "pallas_interpret", "position_ranges", "range_mask", "segments_from_documents",
            "sharded_flash_attention", "tpu_attention", "tree_cache_attention", "tree_rows_attention", "ttt"]

@@ -19,6 +19,7 @@ Mosaic kernels cannot be partitioned by XLA: under a mesh call :func:`sharded_fl
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 
 import jax
@@ -88,6 +89,18 @@ def _static_kernel(*key):
 # count.
 
 _COLLECTORS: list[list] = []
+_PASSES: contextvars.ContextVar = contextvars.ContextVar("specjax_kernel_passes", default=None)
+
+
+@contextlib.contextmanager
+def forward_only():
+    """Mark the flash-attention calls traced inside as run once, forward only, even inside a train
+    step (the online target: no gradient reaches it): their records carry ``"passes": 1``."""
+    token = _PASSES.set(1.0)
+    try:
+        yield
+    finally:
+        _PASSES.reset(token)
 
 
 @contextlib.contextmanager
@@ -95,7 +108,8 @@ def count_kernel_flops():
     """Collect one record per :func:`flash_attention` traced inside the block (trace time, so wrap
     the ``lower()``): ``{"flops": forward flops the kernel executes (its non-empty blocks, whole),
     "exact": False where the mask is only known at run time (all blocks counted: an upper bound),
-    "batch", "heads", "q_len", "kv_len", "head_dim", "blocks", "blocks_total"}``. A call traced once
+    "batch", "heads", "q_len", "kv_len", "head_dim", "blocks", "blocks_total", "passes": 1 inside
+    :func:`forward_only`, else None}``. A call traced once
     inside a ``scan``/``while`` body is recorded once, whatever the trip count."""
     rec: list = []
     _COLLECTORS.append(rec)
@@ -112,7 +126,8 @@ def _record(*, B: int, Hq: int, Tp: int, Sp: int, D: int, bq: int, bk: int, acti
     blocks = total if active is None else active
     rec = {"kernel": "splash", "batch": B, "heads": Hq, "q_len": Tp, "kv_len": Sp, "head_dim": D,
            "blocks": blocks, "blocks_total": total, "exact": active is not None,
-           "flops": 4 * B * Hq * blocks * bq * bk * D}  # q k^T and p v: 2 matmuls of 2 flops per MAC
+           "flops": 4 * B * Hq * blocks * bq * bk * D,  # q k^T and p v: 2 matmuls of 2 flops per MAC
+           "passes": _PASSES.get()}  # None: as many as the program runs (Program.kernel_passes)
     for c in _COLLECTORS:
         c.append(rec)
 
