@@ -81,8 +81,8 @@ class DataSpec:
     seed: int = 0
     max_samples: int | None = None  # use the first N prompt records (after the shuffle below)
     shuffle_seed: int | None = None  # shuffle the prompt records first (datasets' Dataset.shuffle order)
-    # False: no hidden-state cache for the rows the target does not write itself (a recipe with
-    # data.online: true; regenerated answers keep the states their generation captured)
+    # False: no hidden-state cache (a recipe with data.online: true); regenerated rows keep their
+    # token ids and text in hs_{i} files with empty states
     hidden_states: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -142,17 +142,21 @@ def _generate_round(lt, todo: list[int], prompts: list[list[int]], r: int, n_rou
     eos = lt.eos_token_ids
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
 
+    taps = tuple(layer_ids) if spec.hidden_states else ()
+    spec_dtype = DTYPES[spec.hidden_states_dtype]
+
     def on_batch(idx, res):
         for k, g in zip(idx, res):
             c = todo[k]
             text = tok.decode(g.token_ids, skip_special_tokens=True)
             row = (g.prompt_ids + g.token_ids)[: spec.seq_length]
-            hs = g.hidden_states[: len(row)]
+            # without a state cache (data.online) the staged file holds the row and its text only
+            hs = g.hidden_states[: len(row)] if taps else np.zeros((len(row), 0, 0), spec_dtype)
             m = dict(meta_base, prompt_len=str(len(g.prompt_ids)), text=text, stop=g.stop_reason)
             write_hs(_staging(data_dir, c, r), hs, np.asarray(row, np.int64), metadata=m)
 
     return selfdistill.generate_with_hidden_states(
-        lt.model, prompts, max_new_tokens=spec.max_new_tokens, taps=layer_ids, sampling=sampling,
+        lt.model, prompts, max_new_tokens=spec.max_new_tokens, taps=taps, sampling=sampling,
         seed=spec.seed + r, eos_token_ids=eos, pad_id=pad, batch_size=spec.batch_size,
         out_dtype=jnp.dtype(DTYPES[spec.hidden_states_dtype]), max_prompt_len=max(len(p) for p in prompts),
         progress=progress, on_batch=on_batch, desc=f"regenerating (turn {r + 1})" if n_rounds > 1 else "regenerating")
@@ -354,7 +358,7 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
         "format": FORMAT, "complete": True, "target": str(lt.source), "target_kind": lt.kind,
         "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
         "aux_layer_ids": aux, "layer_ids": layer_ids, "hidden_states_dtype": spec.hidden_states_dtype,
-        "hidden_states": spec.hidden_states or not plain, "rows": len(rows), "tokens": int(rows.lengths.sum()), "supervised_tokens": rows.supervised_tokens(),
+        "hidden_states": spec.hidden_states, "rows": len(rows), "tokens": int(rows.lengths.sum()), "supervised_tokens": rows.supervised_tokens(),
         "distinct_supervised_tokens": len(freq), "prompts": spec.prompts, "regenerate": spec.regenerate,
         "seconds": round(time.perf_counter() - t0, 2), "spec": asdict(spec),
     }

@@ -184,6 +184,10 @@ class Run:
             if jax.process_count() > 1:
                 raise TrainError("data.online is single-process for now (one host, any mesh on it); multi-process "
                                  "runs read the hidden-state cache (data.online: false)", key="data.online")
+        elif self.data_meta.get("hidden_states") is False:
+            raise HiddenStateCacheError("this data directory was prepared without a hidden-state cache (for "
+                                        "data.online: true); train with data.online: true, or prepare the data again "
+                                        "with data.online: false", path=str(ddir), key="data.online")
         else:
             verify_cache(rows, ddir, aux_layer_ids=self.aux, num_layers=tc.num_hidden_layers,
                          hidden_size=tc.hidden_size, sample=min(len(rows), 64))

@@ -260,7 +260,7 @@ def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_
     recipe prepares has no state cache; a killed online run resumes bit-exactly."""
     from specjax.train.pipeline import load_data_dir, prepare_data
     from specjax.train.step import device_batch
-    from tests.train.conftest import tiny_spec
+    from tests.train.conftest import tiny_prompts, tiny_spec
 
     # the tiny data's rows, with a float32 cache written by extraction (the cache the online run replaces)
     rows, _ = load_data_dir(tiny_data)
@@ -270,6 +270,8 @@ def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_
                            for i in range(len(rows))))
     d32 = tmp_path / "d32"
     prepare_data(d32, tiny_spec(src, regenerate=False, hidden_states_dtype="float32"), tiny_target, progress=False)
+    from specjax.train.errors import HiddenStateCacheError
+    from specjax.train.hidden_states import read_hs
     from specjax.train.online import fill
 
     # whole rows, and rows trimmed to 2 prompt tokens before the answer (the target still sees the whole prompt)
@@ -305,6 +307,17 @@ def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_
                     "data.prepare.regenerate=false", "trainer.max_steps=2"), target=tiny_target, progress=False)
     assert r0.train()["steps"] == 2
     assert (fresh / "state.json").is_file() and not list(fresh.rglob("hs_*.safetensors"))
+    # ... nor for the answers it regenerates (their files keep the row and text, with empty states)
+    regen = tmp_path / "regen"
+    convs = tiny_prompts(tmp_path / "convs.jsonl")
+    r1 = Run(recipe(regen, tmp_path / "g", "data.online=true", f"data.prepare.prompts={convs}",
+                    "data.prepare.max_new_tokens=12", "data.prepare.seq_length=128", "trainer.max_steps=2"),
+             target=tiny_target, progress=False)
+    assert r1.train()["steps"] == 2
+    files = list(regen.rglob("hs_*.safetensors"))
+    assert files and all(read_hs(f).hidden_states.size == 0 for f in files)
+    with pytest.raises(HiddenStateCacheError, match="without a hidden-state cache"):
+        Run(recipe(regen, tmp_path / "g2"), target=tiny_target, progress=False)
 
     extra = ("data.online=true", "trainer.epochs=2")
     ref = Run(recipe(tiny_data, tmp_path / "a", *extra), target=tiny_target, progress=False)
