@@ -9,9 +9,9 @@ The host builds each packed row as for the cache, with two changes (:meth:`Train
 * the **target's input**: the row's samples whole (from token 0, not from the trimmed start of
   ``data.max_context_tokens``: a kept position's state depends on the whole prompt), packed
   one after another into ``target_ids`` int32 [1, Tt] with ``target_positions`` (each sample from
-  0) and ``target_segments`` (sample k -> k, padding -1). ``Tt`` is ``total_seq_len``, or more,
-  rounded up to :data:`BUCKET`, when trimmed prompts need more context than the draft row holds;
-  one compile per ``Tt``.
+  0) and ``target_segments`` (sample k -> k, padding -1). ``Tt`` is ``total_seq_len``, or more
+  (:func:`target_length`) when trimmed prompts need more context than the draft row holds; one
+  compile per ``Tt``.
 * **gather indices** in place of the states: ``hs_index`` / ``last_index`` int32 [1, T] hold, for
   each draft position, 1 + the target-row position whose state the cache would have put there
   (0: padding, zeros as ``collate`` pads). They are made by running the cache path's own
@@ -34,13 +34,15 @@ import numpy as np
 from specjax.kernels import tpu as kt
 from specjax.decode.batch import bucket as round_up
 
-BUCKET = 64  # target rows longer than the draft row grow in steps of this many tokens
+BUCKET = 64  # target rows longer than the draft row grow in steps of this many tokens, or T / 8 if more
 TARGET_KEYS = ("target_ids", "target_positions", "target_segments", "hs_index", "last_index")
 
 
 def target_length(total_seq_len: int, needed: int) -> int:
-    """The target row's length for ``needed`` tokens: ``total_seq_len``, or more by :data:`BUCKET` steps."""
-    return max(int(total_seq_len), round_up(int(needed), BUCKET))
+    """The target row's length for ``needed`` tokens: ``total_seq_len`` (T), or more by steps of
+    ``max(BUCKET, T // 8)`` (a handful of step shapes, each a compile, at any T)."""
+    T, needed = int(total_seq_len), int(needed)
+    return T if needed <= T else T + round_up(needed - T, max(BUCKET, T // 8))
 
 
 def pack_targets(samples: Sequence[np.ndarray], length: int) -> dict[str, np.ndarray]:

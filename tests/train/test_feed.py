@@ -53,3 +53,15 @@ def test_an_early_stop_closes_the_builder():
     assert not feed.t.is_alive(), "the builder still runs after close()"
     assert time.perf_counter() - t0 < 1.0
     assert len(built) <= 2 + 2 + 1, built
+
+
+def test_online_target_rows_take_a_handful_of_lengths():
+    """data.online's target row: the draft row's length T when the samples fit, else T plus steps
+    of max(64, T / 8) tokens, so an 8192-token recipe with trimmed prompts compiles a few step
+    shapes, not one per 64 tokens."""
+    from specjax.train.online import target_length
+
+    assert target_length(320, 1) == target_length(320, 320) == 320
+    assert [target_length(320, n) for n in (321, 384, 385, 576)] == [384, 384, 448, 576]
+    assert [target_length(8192, n) for n in (8193, 9216, 9217, 20000)] == [9216, 9216, 10240, 20480]
+    assert len({target_length(8192, n) for n in range(1, 8192 * 2)}) == 9
