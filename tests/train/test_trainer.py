@@ -253,16 +253,12 @@ def test_cached_data_trains_without_the_target_on_the_device(tmp_path, tiny_data
         np.testing.assert_array_equal(a, b)
 
 
-def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_data, tiny_target):
-    """data.online: the target computes each row's hidden states inside the train step. On the same rows the
-    batch, loss and gradients equal those of a run reading a float32 cache written by extraction
-    (1e-5), also with rows trimmed by data.max_context_tokens; the step compiles once; data an online
-    recipe prepares has no state cache; a killed online run resumes bit-exactly."""
+def _float32_cache(tmp_path, tiny_data, tiny_target):
+    """The tiny data's rows (as a pretokenized file) and a data directory of them with a float32
+    cache written by extraction (the cache an online run replaces)."""
     from specjax.train.pipeline import load_data_dir, prepare_data
-    from specjax.train.step import device_batch
-    from tests.train.conftest import tiny_prompts, tiny_spec
+    from tests.train.conftest import tiny_spec
 
-    # the tiny data's rows, with a float32 cache written by extraction (the cache the online run replaces)
     rows, _ = load_data_dir(tiny_data)
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps({"input_ids": [int(t) for t in rows.input_ids[i]],
@@ -270,6 +266,45 @@ def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_
                            for i in range(len(rows))))
     d32 = tmp_path / "d32"
     prepare_data(d32, tiny_spec(src, regenerate=False, hidden_states_dtype="float32"), tiny_target, progress=False)
+    return d32, src
+
+
+@pytest.mark.parametrize("algo", [
+    ("speculator_type=peagle", "peagle.num_depths=4", "data.max_anchors=24"),
+    ("speculator_type=dflash", "draft.num_layers=2", "dflash.block_size=4", "data.max_anchors=8"),
+    ("speculator_type=dspark", "draft.num_layers=2", "dflash.block_size=4", "data.max_anchors=8",
+     "dspark.markov_rank=16"),
+], ids=["peagle", "dflash", "dspark"])
+def test_online_loss_and_gradients_match_the_cache_for_block_drafts(tmp_path, tiny_data, tiny_target, algo):
+    """data.online for P-EAGLE, DFlash and DSpark (their own row layouts, anchors drawn from the
+    batch's rng): the loss and gradients of one step equal the float32 cache's (1e-5)."""
+    from specjax.train.step import device_batch
+
+    d32, _ = _float32_cache(tmp_path, tiny_data, tiny_target)
+    f32 = ("data.hidden_states_dtype=float32", *algo)
+    cached = Run(recipe(d32, tmp_path / "c", *f32), target=tiny_target, progress=False)
+    online = Run(recipe(d32, tmp_path / "o", *f32, "data.online=true"), target=tiny_target, progress=False)
+    b = cached.train_data.step_batches(0)[0]
+    got = []
+    for run, rows in ((cached, cached.train_data.batch(b[0])), (online, online.train_data.batch(b[0]))):
+        params, _ = run.build_state()
+        batch = device_batch(rows, jax.random.key(0))
+        got.append(jax.jit(jax.value_and_grad(lambda p: run.fns.loss(p, run.fns.frozen, batch)[0]))(params))
+    (lc, gc), (lo, go) = got
+    assert abs(float(lc) - float(lo)) <= 1e-5 * max(1.0, abs(float(lc))), (float(lc), float(lo))
+    for a, c in zip(jax.tree.leaves(go), jax.tree.leaves(gc)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5, rtol=0)
+
+
+def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_data, tiny_target):
+    """data.online: the target computes each row's hidden states inside the train step. On the same rows the
+    batch, loss and gradients equal those of a run reading a float32 cache written by extraction
+    (1e-5), also with rows trimmed by data.max_context_tokens; the step compiles once; data an online
+    recipe prepares has no state cache; a killed online run resumes bit-exactly."""
+    from specjax.train.step import device_batch
+    from tests.train.conftest import tiny_prompts
+
+    d32, src = _float32_cache(tmp_path, tiny_data, tiny_target)
     from specjax.train.errors import HiddenStateCacheError
     from specjax.train.hidden_states import read_hs
     from specjax.train.online import fill
