@@ -8,7 +8,7 @@ Public API (imported lazily)::
 
 Modules: ``config`` (typed YAML recipes), ``algorithms/`` (one training adapter per draft
 algorithm), ``pipeline`` / ``prompts`` / ``prompt_datasets`` / ``render`` / ``selfdistill`` (data),
-``online`` (hidden states computed as training reads them), ``dataset`` / ``hidden_states``
+``online`` (the target inside the train step: ``data.online``), ``dataset`` / ``hidden_states``
 (speculators' on-disk layout), ``vocab`` (t2d/d2t), ``losses`` / ``objectives`` (the algorithms'
 objectives), ``optim`` (AdamW, Muon, schedules), ``packing`` / ``feed`` (multipack, collate, the
 step schedule), ``fast_eagle3`` (block-structured TTT attention), ``step`` (the jitted steps),

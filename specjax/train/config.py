@@ -107,8 +107,9 @@ class DataArgs(_Section):
     total_seq_len: int = Field(8192, ge=8)
     train_data_ratio: float = Field(0.9, gt=0.0, le=1.0)
     hidden_states_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    online: bool = Field(False, description="compute the target's hidden states while training (the target stays "
-                         "loaded; no cache files are read) instead of reading data.path's hidden-state cache")
+    online: bool = Field(False, description="compute the target's hidden states inside the train step (the target "
+                         "stays loaded; no cache files are read or written) instead of reading data.path's "
+                         "hidden-state cache")
     max_anchors: int = Field(512, ge=1)
     prompt_loss: bool = Field(False, description="also supervise the prompt positions of training rows (KL to the "
                               "target's own distribution there); validation keeps the assistant-only mask")
