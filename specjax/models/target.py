@@ -249,8 +249,8 @@ class _Mode:
                        same=seg[:, :, None] == seg[:, None, :], **kw)
         if segments is not None:
             if B != 1:
-                raise ValueError(f"a packed prefill (segments) with a cache takes one row, got input_ids "
-                                 f"{input_ids.shape}")
+                raise ValueError(f"a packed prefill (segments [T]) takes one row and a cache, got input_ids "
+                                 f"{input_ids.shape}; without a cache, segments are [B, T]")
             seg = jnp.asarray(segments, jnp.int32)
             same = (seg[:, None] == seg[None, :]) & (seg[None, :] < cache.batch)
             return cls("packed", q_pos=positions, kv_pos=positions[0], seg=seg, same=same, **kw)
