@@ -183,23 +183,19 @@ def train_program(p: PlanInputs, online: bool = False) -> Program:
         assert len(shape) == nd
         batch[key] = jax.ShapeDtypeStruct(shape, dt, sharding=sh.batch[key])
     batch["rng"] = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sh.batch["rng"])
-    if online:
-        return Program("train-online", {"rows": N, "seq": T, "algorithm": cfg.speculator_type,
-                                        "optimizer": o.optimizer}, lambda: fns.lower_train(params_a, opt_a, batch),
-                       tokens=N * T, resident_bytes=0, kernel_passes=4.5,
-                       notes=["the target's weights are the step's argument (counted in its arguments); its "
-                              "extraction-like forward runs once, the draft's forward and backward as in train",
-                              "kernel flops: the draft's attention 4.5 passes (forward and backward), the "
-                              "target's 1 (no gradient reaches it)"])
-
     # Run (specjax/train/trainer.py) trains from cached hidden states: the target's weights are not on
     # the device (an HF target is never loaded when the data is cached; a loaded one is released once
     # the draft is built), and the frozen tensors live on the device once, in the compute dtype, as
-    # the step's argument (their float32 originals stay on the host)
-    return Program("train", {"rows": N, "seq": T, "algorithm": cfg.speculator_type,
-                             "optimizer": o.optimizer}, lambda: fns.lower_train(params_a, opt_a, batch),
-                   tokens=N * T, resident_bytes=0, kernel_passes=4.5,
-                   notes=["nothing resident beside the step: no target weights, frozen tensors once (compute dtype)"])
+    # the step's argument (their float32 originals stay on the host). Online, the target's weights are
+    # the step's argument too, and its attention runs forward only (kernels.tpu.forward_only).
+    notes = (["the target's weights are the step's argument; its extraction-like forward runs once, the draft's "
+              "forward and backward as in train (flash-attention flops: the draft's 4.5 passes, the target's 1)"]
+             if online else
+             ["nothing resident beside the step: no target weights, frozen tensors once (compute dtype)"])
+    return Program("train-online" if online else "train", {"rows": N, "seq": T, "algorithm": cfg.speculator_type,
+                                                           "optimizer": o.optimizer},
+                   lambda: fns.lower_train(params_a, opt_a, batch), tokens=N * T, resident_bytes=0, kernel_passes=4.5,
+                   notes=notes)
 
 
 # ----------------------------------------------------------------------------- extract

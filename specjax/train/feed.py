@@ -115,8 +115,8 @@ class TrainData:
         samples = []
         # the cache path's own sample / shift / collate, on 1 + target-row positions instead of states
         for (i, n), o in zip(whole, off):
-            pos = np.where(np.arange(len(self.rows.input_ids[i])) < n,
-                           o + np.arange(len(self.rows.input_ids[i])) + 1, 0)
+            t = np.arange(len(self.rows.input_ids[i]))
+            pos = np.where(t < n, o + t + 1, 0)
             samples.append(self.sample(i, hs=np.repeat(pos[:, None, None], 2, axis=1)))
         out = collate(samples, self.T, hidden_size=1, num_aux=1, preprocess=self.shift)
         if not samples:  # collate's empty row holds float zeros

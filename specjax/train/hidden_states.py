@@ -206,9 +206,7 @@ def make_tap_fn(model, layer_ids: Sequence[int], out_dtype, mesh=None) -> TapFn:
 
     def run(state, ids):
         with placement.building_for(where):
-            m = nnx.merge(graphdef, state)
-            out = m(ids, tap_ids=taps, return_logits=False)
-            return jnp.stack(out.aux_hidden_states, axis=2).astype(out_dtype)
+            return tapped_states(nnx.merge(graphdef, state), ids, taps, out_dtype)
 
     if mesh is None:
         return TapFn(jax.jit(run), state, None)
@@ -217,7 +215,14 @@ def make_tap_fn(model, layer_ids: Sequence[int], out_dtype, mesh=None) -> TapFn:
     return TapFn(fn, state, ids_sh)
 
 
-def _on_mesh(model, mesh):
+def tapped_states(model, ids, layer_ids: Sequence[int], out_dtype, **forward_kw):
+    """The target's states at ``layer_ids`` for ids [B, T] (``forward_kw``: positions, segments):
+    [B, T, L, H] in ``out_dtype``, the cache's layout; traced inside extraction and the online step."""
+    out = model(ids, tap_ids=tuple(int(i) for i in layer_ids), return_logits=False, **forward_kw)
+    return jnp.stack(out.aux_hidden_states, axis=2).astype(out_dtype)
+
+
+def on_mesh(model, mesh):
     """The mesh the forward runs on (default: the params' own) and the model placed there by ``TARGET_RULES``."""
     if mesh is None:
         mesh = shd.mesh_of(model)
@@ -288,7 +293,7 @@ def extract_hidden_states(model, rows: TokenRows, data_dir: str | os.PathLike, *
     """
     from tqdm.auto import tqdm
 
-    model, mesh = _on_mesh(model, mesh)
+    model, mesh = on_mesh(model, mesh)
     main = shd.is_main_process()
     progress = progress and main
 

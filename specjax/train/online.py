@@ -33,6 +33,7 @@ import numpy as np
 
 from specjax.kernels import tpu as kt
 from specjax.decode.batch import bucket as round_up
+from specjax.train.hidden_states import tapped_states
 
 BUCKET = 64  # target rows longer than the draft row grow in steps of this many tokens, or T / 8 if more
 TARGET_KEYS = ("target_ids", "target_positions", "target_segments", "hs_index", "last_index")
@@ -66,11 +67,11 @@ def fill(model, layer_ids: Sequence[int], out_dtype, batch: dict) -> dict:
     """The batch with ``hidden_states`` / ``verifier_last_hidden_states`` computed by ``model`` (the
     target) from its ``target_*`` arrays and gathered by ``hs_index`` / ``last_index``; the online
     keys removed. Traced inside the train / eval step; no gradient flows into the target."""
-    taps = tuple(int(i) for i in layer_ids)
+    L = len(layer_ids)
     with kt.forward_only():  # (specjax plan's flop count: no backward pass runs through the target)
-        out = model(batch["target_ids"], positions=batch["target_positions"], segments=batch["target_segments"],
-                    tap_ids=taps, return_logits=False)
-    hs = jax.lax.stop_gradient(jnp.stack(out.aux_hidden_states, axis=2).astype(out_dtype))  # [N, Tt, L, H]
+        hs = tapped_states(model, batch["target_ids"], layer_ids, out_dtype, positions=batch["target_positions"],
+                           segments=batch["target_segments"])
+    hs = jax.lax.stop_gradient(hs)  # [N, Tt, L, H]
     N, T = batch["hs_index"].shape
 
     def gather(index, layers):
@@ -78,7 +79,7 @@ def fill(model, layer_ids: Sequence[int], out_dtype, batch: dict) -> dict:
         rows = jnp.take_along_axis(hs[:, :, layers], jnp.maximum(idx - 1, 0)[:, :, None, None], axis=1)
         return jnp.where((idx > 0)[:, :, None, None], rows, jnp.zeros((), hs.dtype))
 
-    aux = gather(batch["hs_index"], slice(0, len(taps) - 1)).reshape(N, T, -1)
-    last = gather(batch["last_index"], slice(len(taps) - 1, len(taps)))[:, :, 0]
+    aux = gather(batch["hs_index"], slice(0, L - 1)).reshape(N, T, -1)
+    last = gather(batch["last_index"], slice(L - 1, L))[:, :, 0]
     rest = {k: v for k, v in batch.items() if k not in TARGET_KEYS}
     return dict(rest, hidden_states=aux, verifier_last_hidden_states=last)

@@ -17,6 +17,7 @@ import specjax.sharding as shd
 from specjax import placement
 from specjax.train import algorithms, online
 from specjax.train.config import TrainConfig
+from specjax.train.hidden_states import on_mesh
 
 TRACE_COUNT = {"train_step": 0, "eval_step": 0}  # every trace in this process (per run: StepFns.traces)
 
@@ -155,9 +156,9 @@ class OnlineTarget:
     def of(cls, model, layer_ids, out_dtype, mesh=None) -> "OnlineTarget":
         """``model``'s state; with ``mesh``, placed there by ``TARGET_RULES`` unless it already is
         (the caller's model is left alone)."""
+        if mesh is not None:
+            model, _ = on_mesh(model, mesh)
         graphdef, state = nnx.split(model)
-        if mesh is not None and shd.mesh_of(model) != mesh:
-            state = jax.device_put(state, shd.named_shardings(state, shd.TARGET_RULES, mesh))
         return cls(graphdef, state, tuple(int(i) for i in layer_ids), jnp.dtype(out_dtype))
 
 

@@ -269,24 +269,16 @@ def _float32_cache(tmp_path, tiny_data, tiny_target):
     return d32, src
 
 
-@pytest.mark.parametrize("algo", [
-    ("speculator_type=peagle", "peagle.num_depths=4", "data.max_anchors=24"),
-    ("speculator_type=dflash", "draft.num_layers=2", "dflash.block_size=4", "data.max_anchors=8"),
-    ("speculator_type=dspark", "draft.num_layers=2", "dflash.block_size=4", "data.max_anchors=8",
-     "dspark.markov_rank=16"),
-], ids=["peagle", "dflash", "dspark"])
-def test_online_loss_and_gradients_match_the_cache_for_block_drafts(tmp_path, tiny_data, tiny_target, algo):
-    """data.online for P-EAGLE, DFlash and DSpark (their own row layouts, anchors drawn from the
-    batch's rng): the loss and gradients of one step equal the float32 cache's (1e-5)."""
+def assert_online_step_matches_cache(cached, online, rows_cached=None, rows_online=None):
+    """One step's loss and gradients: ``online`` (a data.online Run) on its packed row equals
+    ``cached`` (the same recipe on a float32 cache) on the same rows, within 1e-5. Rows default
+    to each run's first packed row of epoch 0."""
     from specjax.train.step import device_batch
 
-    d32, _ = _float32_cache(tmp_path, tiny_data, tiny_target)
-    f32 = ("data.hidden_states_dtype=float32", *algo)
-    cached = Run(recipe(d32, tmp_path / "c", *f32), target=tiny_target, progress=False)
-    online = Run(recipe(d32, tmp_path / "o", *f32, "data.online=true"), target=tiny_target, progress=False)
-    b = cached.train_data.step_batches(0)[0]
+    first = cached.train_data.step_batches(0)[0][0]
     got = []
-    for run, rows in ((cached, cached.train_data.batch(b[0])), (online, online.train_data.batch(b[0]))):
+    for run, rows in ((cached, rows_cached), (online, rows_online)):
+        rows = run.train_data.batch(first) if rows is None else rows
         params, _ = run.build_state()
         batch = device_batch(rows, jax.random.key(0))
         got.append(jax.jit(jax.value_and_grad(lambda p: run.fns.loss(p, run.fns.frozen, batch)[0]))(params))
@@ -296,12 +288,27 @@ def test_online_loss_and_gradients_match_the_cache_for_block_drafts(tmp_path, ti
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("algo", [
+    ("speculator_type=peagle", "peagle.num_depths=4", "data.max_anchors=24"),
+    ("speculator_type=dflash", "draft.num_layers=2", "dflash.block_size=4", "data.max_anchors=8"),
+    ("speculator_type=dspark", "draft.num_layers=2", "dflash.block_size=4", "data.max_anchors=8",
+     "dspark.markov_rank=16"),
+], ids=["peagle", "dflash", "dspark"])
+def test_online_loss_and_gradients_match_the_cache_for_block_drafts(tmp_path, tiny_data, tiny_target, algo):
+    """data.online for P-EAGLE, DFlash and DSpark (their own row layouts, anchors drawn from the
+    batch's rng): the loss and gradients of one step equal the float32 cache's (1e-5)."""
+    d32, _ = _float32_cache(tmp_path, tiny_data, tiny_target)
+    f32 = ("data.hidden_states_dtype=float32", *algo)
+    cached = Run(recipe(d32, tmp_path / "c", *f32), target=tiny_target, progress=False)
+    online = Run(recipe(d32, tmp_path / "o", *f32, "data.online=true"), target=tiny_target, progress=False)
+    assert_online_step_matches_cache(cached, online)
+
+
 def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_data, tiny_target):
     """data.online: the target computes each row's hidden states inside the train step. On the same rows the
     batch, loss and gradients equal those of a run reading a float32 cache written by extraction
     (1e-5), also with rows trimmed by data.max_context_tokens; the step compiles once; data an online
     recipe prepares has no state cache; a killed online run resumes bit-exactly."""
-    from specjax.train.step import device_batch
     from tests.train.conftest import tiny_prompts
 
     d32, src = _float32_cache(tmp_path, tiny_data, tiny_target)
@@ -323,18 +330,7 @@ def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_
         for k in rc:
             np.testing.assert_allclose(np.asarray(filled[k], np.float64), np.asarray(rc[k], np.float64), atol=1e-5,
                                        rtol=0)
-        pc, _ = cached.build_state()
-        po, _ = online.build_state()
-
-        def loss_and_grads(run, params, rows):
-            batch = device_batch(rows, jax.random.key(0))
-            return jax.jit(jax.value_and_grad(lambda p: run.fns.loss(p, run.fns.frozen, batch)[0]))(params)
-
-        lc, gc = loss_and_grads(cached, pc, rc)
-        lo, go = loss_and_grads(online, po, ro)
-        assert abs(float(lc) - float(lo)) <= 1e-5 * max(1.0, abs(float(lc)))
-        for a, c in zip(jax.tree.leaves(go), jax.tree.leaves(gc)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5, rtol=0)
+        assert_online_step_matches_cache(cached, online, rc, ro)
 
     # an online recipe that builds its data from rows the target does not write writes no state cache
     fresh = tmp_path / "fresh"

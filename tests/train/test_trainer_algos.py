@@ -251,20 +251,11 @@ def test_mtp_target_errors(tmp_path, tiny_data, tiny_target, verifiers, qwen_dat
 def test_mtp_online_loss_and_gradients_match_the_cache(tmp_path, qwen_data, qwen_target):
     """data.online for MTP on the qwen3 target (the draft mirrors its last layer): one step's loss
     and gradients equal those from a float32 cache of the same rows (1e-5)."""
-    from specjax.train.step import device_batch
     from specjax.train.trainer import Run
-    from tests.train.test_trainer import _float32_cache
+    from tests.train.test_trainer import _float32_cache, assert_online_step_matches_cache
 
     d32, _ = _float32_cache(tmp_path, qwen_data, qwen_target)
     f32 = ("speculator_type=mtp", "draft.draft_vocab_size=null", "data.hidden_states_dtype=float32")
-    got = []
-    for name, extra in (("c", ()), ("o", ("data.online=true",))):
-        run = Run(recipe(d32, tmp_path / name, *f32, *extra), target=qwen_target, progress=False)
-        rows = run.train_data.batch(run.train_data.step_batches(0)[0][0])
-        params, _ = run.build_state()
-        batch = device_batch(rows, jax.random.key(0))
-        got.append(jax.jit(jax.value_and_grad(lambda p: run.fns.loss(p, run.fns.frozen, batch)[0]))(params))
-    (lc, gc), (lo, go) = got
-    assert abs(float(lc) - float(lo)) <= 1e-5 * max(1.0, abs(float(lc))), (float(lc), float(lo))
-    for a, c in zip(jax.tree.leaves(go), jax.tree.leaves(gc)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5, rtol=0)
+    cached, online = (Run(recipe(d32, tmp_path / name, *f32, *extra), target=qwen_target, progress=False)
+                      for name, extra in (("c", ()), ("o", ("data.online=true",))))
+    assert_online_step_matches_cache(cached, online)
