@@ -117,6 +117,9 @@ class DataArgs(_Section):
                                            "before each row's first supervised token (the rest of the prompt is "
                                            "dropped from the training row: its cost goes to more answers); "
                                            "validation keeps whole rows")
+    noise_std: float = Field(0.0, ge=0.0, description="add U(-noise_std, noise_std) to the auxiliary hidden states "
+                             "of training batches (EAGLE's feature augmentation; speculators' snapshot default "
+                             "0.05, removed in 0.9.0); validation sees them unchanged")
 
 
 class LossArgs(_Section):

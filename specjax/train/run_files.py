@@ -119,12 +119,17 @@ def check_output_dir(out: Path, cfg, *, resume: bool, overwrite: bool, replicas:
     return False
 
 
+# resume-key settings added after runs were made, with the value such a run had in effect
+ADDED_LATER = {"data.noise_std": 0.0}
+
+
 def changed_settings(old: dict, cfg) -> list[str]:
     """The resume-key settings in which ``cfg`` differs from a run's ``resume.json`` contents
     ``old`` (its parallel layout left out), sorted."""
     old = {k: v for k, v in old.items() if k != PARALLEL_KEY}
     new = cfg.resume_key()
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    # a setting added after the run was made reads as its default there (the run trained without it)
+    return sorted(k for k in set(old) | set(new) if old.get(k, ADDED_LATER.get(k)) != new.get(k))
 
 
 def _check_resume_identity(rj: Path, cfg, replicas: int, mesh_desc: str) -> None:

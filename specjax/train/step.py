@@ -84,8 +84,22 @@ def _online_prepare(target_graphdef, layer_ids, out_dtype):
     return prepare
 
 
-def _train_step(forward, tx, where, traces: dict, prepare=_no_target):
-    """The train step before jit: the gradient of ``forward`` and one optimizer update, traced for ``where``."""
+def add_state_noise(batch, noise: float):
+    """The batch with ``U(-noise, noise)`` added to its auxiliary hidden states (``hidden_states``,
+    not the verifier's last states the targets come from), drawn from the batch's ``rng``: the
+    feature augmentation of EAGLE and of speculators before 0.9.0 (``AddUniformNoise``, train split
+    only). Unchanged when ``noise`` is 0 or the batch has no such states."""
+    if not noise or "hidden_states" not in batch:
+        return batch
+    hs = batch["hidden_states"]
+    key = jax.random.fold_in(_key(batch["rng"]), 0x6E6F)
+    u = jax.random.uniform(key, hs.shape, jnp.float32, -noise, noise)
+    return dict(batch, hidden_states=(hs.astype(jnp.float32) + u).astype(hs.dtype))
+
+
+def _train_step(forward, tx, where, traces: dict, prepare=_no_target, noise: float = 0.0):
+    """The train step before jit: the gradient of ``forward`` and one optimizer update, traced for
+    ``where`` (``noise``: :func:`add_state_noise` on the training batch)."""
     def _train(params, opt_state, batch, frozen):
         with placement.building_for(where):
             return _train_body(params, opt_state, batch, frozen)
@@ -94,6 +108,7 @@ def _train_step(forward, tx, where, traces: dict, prepare=_no_target):
         TRACE_COUNT["train_step"] += 1
         traces["train_step"] += 1
         frozen, batch = prepare(frozen, batch)
+        batch = add_state_noise(batch, noise)
         (loss, metrics), grads = jax.value_and_grad(forward, has_aux=True)(params, frozen, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -184,7 +199,7 @@ def make_step_fns(graphdef, frozen, tx, cfg: TrainConfig, shardings=None, online
     if online_target is not None:
         prepare = _online_prepare(online_target.graphdef, online_target.layer_ids, online_target.out_dtype)
         target_sh = None if shardings is None else shd.shardings_of(online_target.state)
-    train_j, eval_j = _jit_steps(_train_step(forward, tx, where, traces, prepare),
+    train_j, eval_j = _jit_steps(_train_step(forward, tx, where, traces, prepare, cfg.data.noise_std),
                                  _eval_step(forward, where, traces, prepare), shardings, target_sh)
     # The frozen tensors (the verifier's embedding and head) never change: cast them to the compute
     # dtype once here, not inside every step (a [V, H] convert per step otherwise). The target runs

@@ -365,3 +365,46 @@ def test_online_hidden_states_match_the_cache_and_resume_exactly(tmp_path, tiny_
     r2.train()
     for a, c in zip(_leaves(ref.params), _leaves(r2.params)):
         np.testing.assert_array_equal(a, c)
+
+
+def test_state_noise_augments_training_batches_only(tmp_path, tiny_data, tiny_target):
+    """``data.noise_std``: the train step adds ``U(-s, s)`` to the auxiliary hidden states only (the
+    verifier's last states, which give the targets, stay), drawn from the batch's key; the loss it
+    differentiates is the loss at those noisy states; the eval step sees the states unchanged; 0 is
+    the 0.9.0 step exactly; a run made before the setting existed resumes."""
+    from specjax.train.run_files import changed_settings
+    from specjax.train.step import add_state_noise, device_batch
+
+    s = 0.25
+    quiet = Run(recipe(tiny_data, tmp_path / "q"), target=tiny_target, progress=False)
+    noisy = Run(recipe(tiny_data, tmp_path / "n", f"data.noise_std={s}"), target=tiny_target, progress=False)
+    (params, opt), (qparams, qopt) = noisy.build_state(), quiet.build_state()
+    rows = noisy.train_data.batch(noisy.train_data.step_batches(0)[0][0])
+    batch = device_batch(rows, jax.random.key(0))
+    got = add_state_noise(batch, s)
+    new = np.asarray(got["hidden_states"], np.float32)
+    d = new - np.asarray(batch["hidden_states"], np.float32)
+    assert got["hidden_states"].dtype == batch["hidden_states"].dtype
+    # within s, up to the rounding of the sum to the cache's dtype (bfloat16: half an ulp, 2^-8 relative)
+    assert np.all(np.abs(d) <= s + np.abs(new) * 2.0 ** -8) and np.abs(d).max() > 0.9 * s
+    assert abs(d.mean()) < 0.01 and abs(d.std() - s / np.sqrt(3)) < 0.02  # uniform on [-s, s]
+    np.testing.assert_array_equal(np.asarray(got["verifier_last_hidden_states"]),
+                                  np.asarray(batch["verifier_last_hidden_states"]))
+    again = add_state_noise(device_batch(rows, jax.random.key(0)), s)["hidden_states"]
+    other = add_state_noise(device_batch(rows, jax.random.key(1)), s)["hidden_states"]
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(got["hidden_states"]))
+    assert not np.array_equal(np.asarray(other), np.asarray(got["hidden_states"]))
+    assert add_state_noise(batch, 0.0) is batch
+
+    _, _, m = noisy.fns.train_step(params, opt, batch)
+    want, _ = noisy.fns.loss(params, noisy.fns.frozen, dict(got, rng=batch["rng"]))
+    np.testing.assert_allclose(float(m["loss"][0]) / float(m["loss"][1]), float(want), rtol=1e-5)
+    _, _, mq = quiet.fns.train_step(qparams, qopt, batch)
+    plain, _ = quiet.fns.loss(qparams, quiet.fns.frozen, batch)
+    np.testing.assert_allclose(float(mq["loss"][0]) / float(mq["loss"][1]), float(plain), rtol=1e-6)
+    assert abs(float(want) - float(plain)) > 1e-6
+    assert noisy.validate(params) == quiet.validate(qparams)  # same initial params, states as they are
+
+    old = {k: v for k, v in quiet.cfg.resume_key().items() if k != "data.noise_std"}
+    assert changed_settings(old, quiet.cfg) == []
+    assert changed_settings(old, noisy.cfg) == ["data.noise_std"]
