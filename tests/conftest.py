@@ -11,6 +11,10 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests import speedups  # noqa: E402
+
+speedups.apply()
+
 
 def pytest_configure(config):
     try:
@@ -19,6 +23,13 @@ def pytest_configure(config):
         logger.remove()  # speculators logs every verifier-weight lookup at INFO
     except ImportError:
         pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the file's fixtures are finalised first
+    if nextitem is None or nextitem.path != item.path:
+        speedups.release_caches()
 
 
 # The longest test files (each 1-3.5 min on the 2-core CI machine), run first: the two xdist workers

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"
 KERNEL = "specjax-nbtest"
 RESULT_LINE = re.compile(r"^RESULT (.+)$", re.M)
 
@@ -54,11 +55,14 @@ class Executed:
 
 
 def _kernel_dir(root: Path) -> Path:
-    """A kernelspec that runs *this* Python (the venv), whatever `python` is on PATH."""
+    """A kernelspec that runs *this* Python (the venv), whatever `python` is on PATH, with the
+    suite's speed settings (tests/speedups.py), as ``ipykernel_launcher`` otherwise."""
     d = root / "kernels" / KERNEL
     d.mkdir(parents=True, exist_ok=True)
+    launch = (f"import sys; sys.path[:1] = [] if sys.path[0] == '' else sys.path[:1]; sys.path.append({str(ROOT)!r}); "
+              "from tests import speedups; speedups.apply(); from ipykernel import kernelapp; kernelapp.launch_new_instance()")
     (d / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [sys.executable, "-c", launch, "-f", "{connection_file}"],
         "display_name": "specjax (test)", "language": "python"}))
     return root
 
