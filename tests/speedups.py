@@ -1,6 +1,7 @@
 """How the suite's Python processes (the pytest workers, the 8-device subprocess suites, the
 notebook kernels) spend less time collecting garbage and compiling, measured at XLA:CPU -O0 on
-the 2-core CI machine. Nothing here changes what a program computes; :func:`apply` is called once
+the 2-core CI machine. Nothing here changes what the tests check (the older emitters may round
+elementwise math differently in the last bits; every assertion holds); :func:`apply` is called once
 per process before JAX compiles anything (tests/conftest.py, tests/notebooks/runner.py)."""
 
 from __future__ import annotations
