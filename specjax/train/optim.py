@@ -116,6 +116,35 @@ def _newton_schulz(g, steps: int, eps: float = 1e-7, mesh=None):
     return x.T if tall else x
 
 
+def _dot_bf16(a, b, ca: int, cb: int):
+    """bf16 ``dot_general`` over the leading batch dims, accumulated in float32 and rounded once to
+    bf16 (torch's bf16 matmul). Written with a float32 result because XLA's CPU backend runs a
+    ``bf16 x bf16 -> bf16`` dot as a float32 Eigen dot, and ``-> f32`` on its native bf16 path."""
+    nb = a.ndim - 2
+    batch = tuple(range(nb))
+    return jax.lax.dot_general(a, b, (((ca,), (cb,)), (batch, batch)),
+                               preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def _newton_schulz_stacked(x, steps: int, eps: float = 1e-7):
+    """:func:`_newton_schulz` without a mesh, for a stack ``[n, short, long]`` of same-shape
+    iterates (already in the wide orientation) at once: each matrix is normalised by its own
+    Frobenius norm and iterated on its own (the leading dim is a batch dim of every dot). Muon's
+    matrices come in few shapes (a decoder layer's gate/up/down projections share one), and one
+    batched dot per step keeps both of a small CPU's cores busy where a dot per matrix did not:
+    the one-layer SmolLM2 draft's eight matrices take 0.19 s a step instead of 0.35 s on 2 cores."""
+    a, b, c = NS_COEFFS
+    x = x.astype(jnp.bfloat16)
+    norm = jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=(-2, -1), keepdims=True))
+    x = x / jnp.maximum(norm, eps).astype(jnp.bfloat16)
+    last = x.ndim - 1
+    for _ in range(steps):
+        gram = _dot_bf16(x, x, last, last)  # X X^T
+        upd = b * gram + c * _dot_bf16(gram, gram, last, last - 1)
+        x = a * x + _dot_bf16(upd, x, last, last - 1)
+    return x
+
+
 class MuonState(NamedTuple):
     count: jax.Array
     momentum: optax.Updates
@@ -132,21 +161,41 @@ def torch_muon(lr: Callable, *, momentum: float = 0.95, weight_decay: float = 0.
     def update(grads, state, params):
         lr_t = lr(state.count)
 
-        def one(g, buf, p):
-            buf = buf + (g - buf) * (1.0 - momentum)
-            u = g + (buf - g) * momentum if nesterov else buf
-            o = _newton_schulz(u.T, ns_steps, mesh=mesh).T.astype(p.dtype)  # orthogonalise in torch orientation
-            A, B = p.shape[1], p.shape[0]  # torch [out, in]
-            adj = 0.2 * math.sqrt(max(A, B)) if adjust_lr_fn == "match_rms_adamw" else math.sqrt(max(1.0, A / B))
-            step = -(lr_t * weight_decay) * p - (lr_t * adj) * o
-            return step.astype(p.dtype), buf
-
         gl, treedef = jax.tree_util.tree_flatten(grads)
         bl = treedef.flatten_up_to(state.momentum)
         pl = treedef.flatten_up_to(params)
-        res = [one(g, b, p) for g, b, p in zip(gl, bl, pl)]
-        upd = jax.tree_util.tree_unflatten(treedef, [r[0] for r in res])
-        mom = jax.tree_util.tree_unflatten(treedef, [r[1] for r in res])
+        bufs, us = [], []
+        for g, buf in zip(gl, bl):
+            buf = buf + (g - buf) * (1.0 - momentum)
+            bufs.append(buf)
+            us.append(g + (buf - g) * momentum if nesterov else buf)
+        # Orthogonalise in torch orientation (u.T), wide side last. Iterates split over a mesh go
+        # one by one (_newton_schulz); the rest are stacked by shape and iterated together.
+        orth: list = [None] * len(us)
+        stacks: dict = {}
+        for i, u in enumerate(us):
+            t = u.T
+            wide = t if t.shape[0] <= t.shape[1] else t.T
+            if ns_axes(mesh, wide.shape[1]):
+                orth[i] = _newton_schulz(t, ns_steps, mesh=mesh).T
+            else:
+                stacks.setdefault(wide.shape, []).append((i, t.shape[0] > t.shape[1]))
+        for shape, items in stacks.items():
+            xs = jnp.stack([us[i] if tall else us[i].T for i, tall in items])  # (u.T).T = u when tall
+            # a real row-major copy: XLA would fold the transposes into the dots as a layout that
+            # its CPU backend cannot run as bf16 x bf16 -> f32 (DotThunk: unsupported element type)
+            xs = jax.lax.optimization_barrier(xs)
+            ys = _newton_schulz_stacked(xs, ns_steps)
+            for j, (i, tall) in enumerate(items):
+                orth[i] = ys[j] if tall else ys[j].T  # back to the flax orientation of u
+        steps = []
+        for o, p in zip(orth, pl):
+            A, B = p.shape[1], p.shape[0]  # torch [out, in]
+            adj = 0.2 * math.sqrt(max(A, B)) if adjust_lr_fn == "match_rms_adamw" else math.sqrt(max(1.0, A / B))
+            step = -(lr_t * weight_decay) * p - (lr_t * adj) * o.astype(p.dtype)
+            steps.append(step.astype(p.dtype))
+        upd = jax.tree_util.tree_unflatten(treedef, steps)
+        mom = jax.tree_util.tree_unflatten(treedef, bufs)
         return upd, MuonState(state.count + 1, mom)
 
     return optax.GradientTransformation(init, update)
