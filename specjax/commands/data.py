@@ -85,6 +85,9 @@ def prepare_cmd(
                                                    help="also write d2t-<N>.npy / t2d-<N>.npy"),
     hs_dtype: str = typer.Option("bfloat16", "--hidden-states-dtype", help="bfloat16 | float32"),
     batch_size: int = typer.Option(32, "--batch-size", min=1),
+    compute_dtype: str = typer.Option("float32", "--compute-dtype",
+                                      help="float32 | bfloat16: the target's matmuls while it regenerates (bfloat16: "
+                                           "bf16 products, float32 sums; about 1.6x faster on a CPU with AVX512-BF16)"),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json"),
     mesh: str = shcli.mesh_option(),
@@ -107,8 +110,11 @@ def prepare_cmd(
     flags = dict(prompts=prompts, regenerate=regenerate, max_new_tokens=max_new_tokens, temperature=temperature,
                  top_p=top_p, top_k=top_k, seq_length=seq_length, aux_layer_ids=aux_layer_ids,
                  hidden_states_dtype=hs_dtype, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
-                 draft_vocab_size=draft_vocab_size, seed=seed, max_samples=max_samples, shuffle_seed=shuffle_seed)
+                 draft_vocab_size=draft_vocab_size, seed=seed, max_samples=max_samples, shuffle_seed=shuffle_seed,
+                 compute_dtype=compute_dtype)
     try:
+        if compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--compute-dtype {compute_dtype!r}: expected float32 or bfloat16")
         inputs = _prepare_inputs(config, set_, out, target, flags, as_json=as_json)
         if inputs is None:
             return

@@ -128,10 +128,14 @@ class Dense(nnx.Linear):
     panel_param = "kernel"  # panels.packable packs this param (panels does not import layers)
 
     def __call__(self, inputs, out_sharding=None):
-        wp = panels.panels_for(self.kernel.get_value(), inputs, dtype=self.dtype, out_sharding=out_sharding)
-        if wp is None:
+        value = self.kernel.get_value()
+        wp = panels.panels_for(value, inputs, dtype=self.dtype, out_sharding=out_sharding)
+        if wp is not None:
+            y = panels.matmul(inputs, wp)
+        elif panels.bf16_compute(value, self.dtype, out_sharding):  # a prefill in a bf16-compute decode state
+            y = panels.plain_bf16_matmul(inputs, value.plain)
+        else:
             return super().__call__(inputs, out_sharding=out_sharding)
-        y = panels.matmul(inputs, wp)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -164,10 +168,13 @@ class Embed(nnx.Embed):
     def attend(self, query, out_sharding=None):
         """``query @ embedding^T`` (a tied LM head); on the panel kernel for a decode-time
         :class:`specjax.models.panels.Paneled` table and a query that fits it."""
-        wp = panels.panels_for(self.embedding.get_value(), query, dtype=self.dtype, out_sharding=out_sharding)
-        if wp is None:
-            return super().attend(query, out_sharding=out_sharding)
-        return panels.matmul(query, wp)
+        value = self.embedding.get_value()
+        wp = panels.panels_for(value, query, dtype=self.dtype, out_sharding=out_sharding)
+        if wp is not None:
+            return panels.matmul(query, wp)
+        if panels.bf16_compute(value, self.dtype, out_sharding):
+            return panels.plain_bf16_matmul(query, jnp.transpose(value.plain))
+        return super().attend(query, out_sharding=out_sharding)
 
 
 class RMSNorm(nnx.Module):

@@ -66,6 +66,9 @@ class PrepareArgs(_Section):
     batch_size: int = Field(32, ge=1)
     max_prompt_tokens: int = Field(512, ge=1)
     max_batch_tokens: int = Field(4096, ge=64)
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="the target's matmuls while it regenerates: bfloat16 = bf16 products with float32 "
+        "sums (the CPU kernels' vdpbf16ps; float32 elsewhere)")
     seed: int = 0
     max_samples: int | None = Field(None, ge=1, description="use the first N prompt records (after the shuffle)")
     shuffle_seed: int | None = Field(None, description="shuffle the prompt records first (datasets' shuffle order)")

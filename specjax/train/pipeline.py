@@ -84,6 +84,7 @@ class DataSpec:
     # False: no hidden-state cache (a recipe with data.online: true); regenerated rows keep their
     # token ids and text in hs_{i} files with empty states
     hidden_states: bool = True
+    compute_dtype: str = "float32"  # the target's matmuls while regenerating (selfdistill)
     extra: dict = field(default_factory=dict)
 
 
@@ -159,7 +160,8 @@ def _generate_round(lt, todo: list[int], prompts: list[list[int]], r: int, n_rou
         lt.model, prompts, max_new_tokens=spec.max_new_tokens, taps=taps, sampling=sampling,
         seed=spec.seed + r, eos_token_ids=eos, pad_id=pad, batch_size=spec.batch_size,
         out_dtype=jnp.dtype(DTYPES[spec.hidden_states_dtype]), max_prompt_len=max(len(p) for p in prompts),
-        progress=progress, on_batch=on_batch, desc=f"regenerating (turn {r + 1})" if n_rounds > 1 else "regenerating")
+        progress=progress, on_batch=on_batch, desc=f"regenerating (turn {r + 1})" if n_rounds > 1 else "regenerating",
+        compute=spec.compute_dtype)
 
 
 def _regenerate(lt, convs: list[Conversation], data_dir: Path, spec: DataSpec, layer_ids, log, progress):

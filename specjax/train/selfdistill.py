@@ -80,11 +80,13 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
                                 eos_token_ids: Sequence[int] = (), pad_id: int = 0, batch_size: int = 32,
                                 prompt_bucket: int = 64, out_dtype=jnp.bfloat16, max_prompt_len: int | None = None,
                                 progress: bool = True, on_batch: Callable[[list[int], list[Generated]], None] | None = None,
-                                desc: str = "generating") -> list[Generated]:
+                                desc: str = "generating", compute: str = "float32") -> list[Generated]:
     """Generate a continuation of every prompt (token ids) and, when ``taps`` are given, the
     hidden states at those layer ids for prompt + continuation. Prompts are processed in
     batches of similar length; ``on_batch(indices, results)`` is called after each batch (so a
-    caller can write files and resume). Returns results in prompt order."""
+    caller can write files and resume). ``compute="bfloat16"``: the matmuls in bf16 with float32
+    accumulation (:func:`specjax.models.panels.decode_state`; on the CPU kernels, else float32).
+    Returns results in prompt order."""
     from tqdm.auto import tqdm
 
     cfg = model.config
@@ -96,7 +98,7 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
     if Pmax + max_new_tokens > ctx:
         raise ValueError(f"prompts up to {Pmax} tokens + {max_new_tokens} new tokens exceed the context {ctx}")
     graphdef, params = nnx.split(model)
-    params = panels.decode_state(model, params)
+    params = panels.decode_state(model, params, compute=compute)
     cache_dtype = jnp.dtype(model.model.embed_tokens.embedding[...].dtype)
     order = sorted(range(len(prompts)), key=lambda i: (lens[i], i))
     eos = jnp.asarray(list(eos_token_ids), jnp.int32)

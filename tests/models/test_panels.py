@@ -316,3 +316,82 @@ def test_bf16_compute_layer_keeps_its_arithmetic():
     x = jnp.ones((2, 32), jnp.float32)
     assert view(x).dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(view(x), np.float32), np.asarray(layer(x), np.float32))
+
+
+def test_pack_pairs_layout():
+    """k-pair panels: ``wp[p, h, j, t] = bf16(w[2h + t, p Wd + j])``; the embedding's are its transpose's."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((40, 96)).astype(np.float32)
+    wb = np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))
+    for width in (16, 32):
+        wp = np.asarray(panels.pack_pairs(jnp.asarray(w), width).astype(jnp.float32))
+        assert wp.shape == (96 // width, 20, width, 2)
+        np.testing.assert_array_equal(wp[2, 7, 5, 1], wb[15, 2 * width + 5])
+        np.testing.assert_array_equal(np.transpose(wp, (1, 3, 0, 2)).reshape(40, 96), wb)
+    e = rng.standard_normal((96, 40)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(panels.pack_embedding_pairs(jnp.asarray(e))),
+                                  np.asarray(panels.pack_pairs(jnp.asarray(e.T))))
+    with pytest.raises(ValueError, match="K must be even"):
+        panels.pack_pairs(jnp.zeros((5, 32)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("K,N", [(2, 16), (64, 48), (100, 96), (576, 192), (300, 2048)])
+def test_bf16_dot_kernel_matches_bf16_products(M, K, N):
+    """The bf16-compute kernel: x and w rounded to bf16, the products summed in float32; against
+    float64 sums of the same bf16 values (and XLA's bf16 dot, float32 accumulation)."""
+    rng = np.random.default_rng(M * 1000 + K)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
+    y = np.asarray(jax.jit(panels.matmul)(x, panels.pack_pairs(w)))
+    xb, wb = (np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32), np.float64) for a in (x, w))
+    want = xb @ wb
+    assert y.shape == (M, N) and y.dtype == np.float32
+    bound = 1e-6 * np.sqrt(K) * (np.abs(xb) @ np.abs(wb)).max()
+    assert np.abs(y - want).max() <= bound
+    assert not np.allclose(y, np.asarray(x, np.float64) @ np.asarray(w, np.float64), rtol=1e-6, atol=0)  # bf16 products
+    xla = np.asarray(panels.plain_bf16_matmul(x, w))
+    assert np.abs(y - xla).max() <= bound
+    with pytest.raises(ValueError, match=f"expects {K}"):
+        panels.matmul(jnp.ones((1, K + 2), jnp.float32), panels.pack_pairs(w))
+
+
+@needs_kernels
+def test_bf16_compute_decode_state(tied):
+    """``decode_state(compute="bfloat16")``: decode steps on the bf16 kernel equal the same
+    arithmetic on XLA's bf16 dot (every row off the kernel) within float32 rounding, and differ
+    from the float32 state by bf16 rounding only; a prefill takes XLA's bf16 dot; the layer's own
+    bf16 arithmetic and bad dtypes are left alone / refused."""
+    graphdef, state = nnx.split(tied)
+    view = panels.decode_state(tied, state, compute="bfloat16")
+    assert isinstance(view["model"]["layers"][0]["mlp"]["up_proj"]["kernel"].get_value(), panels.Paneled)
+    assert panels.panel_dtypes(view) == {"model": ["bfloat16"]}
+    cfg = tied.config
+    rng = np.random.default_rng(4)
+
+    def fwd(st, ids, cache):
+        out = nnx.merge(graphdef, st)(ids, cache=cache)
+        return out.logits, out.cache
+
+    prompt = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 24)), jnp.int32)
+    cache = KVCache.init(cfg, 2, 40)
+    lf, cf = jax.jit(fwd)(state, prompt, cache)
+    lb, cb = jax.jit(fwd)(view, prompt, cache)
+    lf, lb = np.asarray(lf), np.asarray(lb)
+    scale = np.abs(lf).max()
+    assert 1e-6 * scale < np.abs(lf - lb).max() <= 5e-2 * scale  # bf16 products, not float32's
+    ids = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 1)), jnp.int32)
+    on_kernel, _ = jax.jit(fwd)(view, ids, cb)
+    max_rows = panels.MAX_ROWS
+    try:
+        panels.MAX_ROWS = 0  # every matmul off the kernel: XLA's bf16 dot, the same arithmetic
+        on_xla, _ = jax.jit(fwd)(view, ids, cb)
+    finally:
+        panels.MAX_ROWS = max_rows
+    a, b = np.asarray(on_kernel), np.asarray(on_xla)
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+    f32, _ = jax.jit(fwd)(state, ids, cf)
+    assert np.abs(np.asarray(f32) - a).max() <= 5e-2 * np.abs(np.asarray(f32)).max()
+    with pytest.raises(ValueError, match="compute dtype"):
+        panels.decode_state(tied, state, compute="float16")

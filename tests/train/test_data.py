@@ -164,6 +164,30 @@ def test_regenerated_rows_and_captured_hidden_states(tiny_data, tiny_target):
     assert g.tokens[0] == rows.input_ids[i][plen:].tolist()
 
 
+def test_bf16_compute_regeneration(tmp_path, tiny_target):
+    """``compute_dtype: bfloat16`` (the CPU kernels' bf16 products): a complete data directory whose
+    captured states are a float32 extraction of the same rows up to bf16 rounding, and whose
+    spec records the setting."""
+    from specjax import kernels
+
+    spec = tiny_spec(tiny_prompts(tmp_path / "p.jsonl", 10), compute_dtype="bfloat16")
+    d = tmp_path / "bf16"
+    prepare_data(d, spec, tiny_target, progress=False)
+    rows, meta = load_data_dir(d)
+    assert meta["complete"] and len(rows) == 10 and meta["spec"]["compute_dtype"] == "bfloat16"
+    sep = tmp_path / "f32-extract"
+    ds.write_rows(sep, rows)
+    extract_hidden_states(tiny_target.model, rows, sep, aux_layer_ids=TINY_AUX, dtype="float32", progress=False)
+    worst = 0.0
+    for i in range(len(rows)):
+        a = np.asarray(read_hs(hs_path(d, i)).hidden_states, np.float32)
+        b = np.asarray(read_hs(hs_path(sep, i)).hidden_states, np.float32)
+        worst = max(worst, np.abs(a - b).max() / np.abs(b).max())
+    assert worst <= 5e-2
+    if kernels.available():
+        assert worst > 1e-6  # bf16 products, not float32's
+
+
 def test_speculators_reads_our_cache(tiny_data):
     """speculators' own ArrowDataset (FileTransfer, on_missing=raise) + CollateFn + shift_batch give the
     packed row our trainer builds."""

@@ -1,0 +1,155 @@
+// specjax CPU kernel: y[M, N] = x[M, K] @ W in bfloat16 arithmetic with float32 accumulation,
+// x bfloat16 and W prepacked into column panels of k-pairs: w[P, K/2, Wd, 2] (bfloat16),
+// w[p, h, j, t] = W[2h + t, p*Wd + j], Wd in {16, 32, 64}, K even. y is float32.
+//
+// Why: panel_matmul.cc multiplies float32 rows (bf16 weights widened exactly), so a decode step
+// of 16 rows is bound by float32 FMAs. Where bf16 products are acceptable (regenerating training
+// data: the draft trains in bf16 anyway), AVX512-BF16's vdpbf16ps takes 32 bf16 pairs per
+// instruction, twice the float32 FMA's 16 lanes. One 512-bit load of a panel's k-pair row holds
+// the pairs of 16 columns; each x row's pair is broadcast as one 32-bit word.
+//
+// Arithmetic, per output: acc += x[2h+1] w[2h+1], then acc += x[2h] w[2h], each product exact in
+// float32 (8-bit significands) and each sum rounded to nearest even: vdpbf16ps as Intel documents
+// it (inputs and outputs denormal-flushed). Without AVX512-BF16 (or AVX-512) the same two
+// float32 FMAs per pair run on 16-float vectors, identical but for denormals.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define SPECJAX_DPBF16 1
+#endif
+
+#include "common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+using specjax::load16;
+using specjax::store16;
+using specjax::v16;
+
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16u __attribute__((vector_size(64), aligned(4)));
+
+namespace {
+
+#if SPECJAX_DPBF16
+typedef __m512i wvec;
+static inline wvec load_pairs(const uint16_t* p) { return _mm512_loadu_si512(p); }
+static inline wvec splat_pair(const uint16_t* p) {
+  uint32_t u;
+  std::memcpy(&u, p, 4);
+  return _mm512_set1_epi32(static_cast<int>(u));
+}
+static inline v16 dot(v16 acc, wvec x, wvec w) {
+  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)w);
+}
+#else
+typedef u32x16 wvec;
+static inline wvec load_pairs(const uint16_t* p) { return *reinterpret_cast<const u32x16u*>(p); }
+static inline wvec splat_pair(const uint16_t* p) {
+  uint32_t u;
+  std::memcpy(&u, p, 4);
+  return u - u32x16{};
+}
+static inline v16 as_f32(u32x16 u) {
+  v16 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+static inline v16 dot(v16 acc, wvec x, wvec w) {
+  const u32x16 hi = u32x16{} + 0xFFFF0000u;
+  acc += as_f32(x & hi) * as_f32(w & hi);  // the odd element of each pair first, as vdpbf16ps
+  acc += as_f32(x << 16) * as_f32(w << 16);
+  return acc;
+}
+#endif
+
+// R rows of x (row stride ldx bf16) times k-pairs h0 .. h1-1 of panel w [K/2, 16*V, 2] into y
+// (row stride N); accumulates onto y when `add`, else overwrites it.
+template <int R, int V>
+void rows_dot(const uint16_t* x, int64_t ldx, int64_t h0, int64_t h1, const uint16_t* w, float* y, int64_t N,
+              bool add) {
+  v16 acc[R][V];
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < V; j++) acc[i][j] = add ? load16(y + i * N + 16 * j) : v16{};
+  for (int64_t h = h0; h < h1; h++) {
+    const uint16_t* wh = w + h * 32 * V;
+    __builtin_prefetch(wh + 32 * V * 8);
+    wvec wv[V];
+    for (int j = 0; j < V; j++) wv[j] = load_pairs(wh + 32 * j);
+    for (int i = 0; i < R; i++) {
+      wvec b = splat_pair(x + i * ldx + 2 * h);
+      for (int j = 0; j < V; j++) acc[i][j] = dot(acc[i][j], b, wv[j]);
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < V; j++) store16(y + i * N + 16 * j, acc[i][j]);
+}
+
+// All M rows times one panel: rows in groups of 4 over chunks of K (16 KB of panel) that stay in
+// the core's L1 while every group reads them.
+template <int V>
+void panel_dot(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N) {
+  const int64_t H = K / 2;
+  const int64_t chunk = M <= 4 ? H : std::max<int64_t>(1, 16384 / (64 * V));
+  for (int64_t h0 = 0; h0 < H; h0 += chunk) {
+    int64_t h1 = std::min(H, h0 + chunk);
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const uint16_t* xr = x + r0 * K;
+      float* yr = y + r0 * N;
+      bool add = h0 > 0;
+      switch (std::min<int64_t>(4, M - r0)) {
+        case 1: rows_dot<1, V>(xr, K, h0, h1, w, yr, N, add); break;
+        case 2: rows_dot<2, V>(xr, K, h0, h1, w, yr, N, add); break;
+        case 3: rows_dot<3, V>(xr, K, h0, h1, w, yr, N, add); break;
+        default: rows_dot<4, V>(xr, K, h0, h1, w, yr, N, add); break;
+      }
+    }
+  }
+}
+
+ffi::Error PanelDotBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != 2)
+    return ffi::Error::InvalidArgument("panel_dot_bf16: expected x [M, K] and w [P, K/2, Wd, 2]");
+  int64_t M = xd[0], K = xd[1], P = wd[0], Wd = wd[2];
+  if (K % 2 || wd[1] * 2 != K) return ffi::Error::InvalidArgument("panel_dot_bf16: x and w disagree on K (K even)");
+  if (Wd != 16 && Wd != 32 && Wd != 64)
+    return ffi::Error::InvalidArgument("panel_dot_bf16: panel width must be 16, 32 or 64");
+  auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != M || yd[1] != P * Wd)
+    return ffi::Error::InvalidArgument("panel_dot_bf16: y must be [M, P * Wd]");
+  if (M == 0 || P == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(y->typed_data(), y->typed_data() + M * P * Wd, 0.0f);
+    return ffi::Error::Success();
+  }
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
+  float* yp = y->typed_data();
+  const int64_t N = P * Wd;
+  specjax::parallel_for(pool, P, [=](int64_t p) {
+    const uint16_t* wpp = wp + p * K * Wd;
+    float* ypp = yp + p * Wd;
+    switch (Wd) {
+      case 16: panel_dot<1>(xp, M, K, wpp, ypp, N); break;
+      case 32: panel_dot<2>(xp, M, K, wpp, ypp, N); break;
+      default: panel_dot<4>(xp, M, K, wpp, ypp, N); break;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_panel_dot_bf16, PanelDotBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
