@@ -5,8 +5,12 @@ side in one run, on the embedded SmolLM2-135M-Instruct (float32):
   its shapes, 424 MB) chained so each product feeds the next, 10 passes per timed call, at 1, 4,
   8 and 16 rows (the batch, or the k+1 tokens a verify forward scores per sequence). Reports ms
   per pass, the weight stream rate in GB/s and panel / XLA.
-* ``step``: one decode step of the real model (cache of 320 slots, 250 filled) at batch 1 and 4,
-  the plain params against their panel view (``panels.decode_state``), and the greedy token of each.
+* ``step``: one decode step of the real model (cache of 320 slots, 250 filled) at batch 1, 4 and
+  16, the plain params against their panel view (``panels.decode_state``), and the greedy token of each.
+* ``bf16dot``, beside both: the bf16-compute kernel (``decode_state(compute="bfloat16")``: bf16
+  products over k-pair panels, ``vdpbf16ps``), what ``data prepare --compute-dtype bfloat16``
+  regenerates with; its tokens are compared with the float32 panels' (bf16 products may break a
+  near tie differently).
 
 Prints one JSON line; ``*_ratio`` = panel time / XLA time (< 1: the kernel is faster)::
 
@@ -52,12 +56,13 @@ def layers(repeats: int) -> dict:
     rng = np.random.default_rng(0)
     plain = [[jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for s in SHAPES] for _ in range(30)]
     packed = [[panels.pack(w) for w in layer] for layer in plain]
+    pairs = [[panels.pack_pairs(w) for w in layer] for layer in plain]
     nbytes = sum(w.size * 4 for layer in plain for w in layer)
 
     def body(h, ws, mm):  # each product feeds the next: no two calls overlap
         for layer in ws:
             for w in layer:
-                k = w.shape[-2] if w.ndim == 3 else w.shape[0]
+                k = {2: w.shape[0], 3: w.shape[1], 4: 2 * w.shape[1]}[w.ndim]
                 y = mm(h if k == 576 else jnp.tile(h, (1, 3))[:, :k], w)
                 if y.shape[1] >= 576:
                     h = h + 1e-3 * y[:, :576]
@@ -67,12 +72,14 @@ def layers(repeats: int) -> dict:
     for m in (1, 4, 8, 16):
         x = jnp.asarray(rng.standard_normal((m, 576), np.float32))
         row = {}
-        for name, mm, ws in (("xla", jnp.matmul, plain), ("panel", panels.matmul, packed)):
+        for name, mm, ws in (("xla", jnp.matmul, plain), ("panel", panels.matmul, packed),
+                             ("bf16dot", panels.matmul, pairs)):
             f = jax.jit(lambda x, ws, mm=mm: jax.lax.fori_loop(0, 10, lambda i, h: body(h, ws, mm), x))
             t = _time(f, (x, ws), repeats, per=10)
             row[f"{name}_ms"] = round(1e3 * t, 3)
-            row[f"{name}_GBps"] = round(nbytes / t / 1e9, 1)
+            row[f"{name}_GBps"] = round(nbytes / t / 1e9, 1)  # float32 bytes of the weights, for every side
         row["ratio"] = round(row["panel_ms"] / row["xla_ms"], 3)
+        row["bf16dot_over_panel"] = round(row["bf16dot_ms"] / row["panel_ms"], 3)
         out[f"rows_{m}"] = row
     return out
 
@@ -90,6 +97,7 @@ def step(repeats: int) -> dict:
     model = load_target("default", progress=False).model
     graphdef, state = nnx.split(model)
     view = panels.decode_state(model, state)
+    bf16 = panels.decode_state(model, state, compute="bfloat16")
 
     @functools.partial(jax.jit, donate_argnums=(2,))
     def run(st, ids, cache):
@@ -97,7 +105,7 @@ def step(repeats: int) -> dict:
         return jnp.argmax(out.logits, -1), out.cache.rollback(cache.lengths)
 
     out = {}
-    for b in (1, 4):
+    for b in (1, 4, 16):
         ids = jnp.asarray(np.arange(1, b + 1)[:, None] * 101, jnp.int32)
         box = [KVCache.init(model.config, b, 320, jnp.float32, lengths=jnp.full((b,), 250, jnp.int32))]
 
@@ -106,11 +114,13 @@ def step(repeats: int) -> dict:
             return tok
 
         row, toks = {}, {}
-        for name, st in (("xla", state), ("panel", view)):
+        for name, st in (("xla", state), ("panel", view), ("bf16dot", bf16)):
             row[f"{name}_ms"] = round(1e3 * _time(call, (st,), repeats), 3)
             toks[name] = np.asarray(call(st)).tolist()
         row["ratio"] = round(row["panel_ms"] / row["xla_ms"], 3)
+        row["bf16dot_over_panel"] = round(row["bf16dot_ms"] / row["panel_ms"], 3)
         row["same_tokens"] = toks["xla"] == toks["panel"]
+        row["bf16dot_same_tokens"] = toks["bf16dot"] == toks["panel"]
         out[f"batch_{b}"] = row
     return out
 
