@@ -127,17 +127,6 @@ def bf16_compute(value, dtype=None, out_sharding=None) -> bool:
             and (dtype is None or jnp.dtype(dtype) == jnp.float32))
 
 
-def plain_bf16_matmul(x, w):
-    """``x @ w`` for a bf16-compute weight on rows the kernel does not take (a prefill): both
-    rounded to bfloat16, products accumulated in float32 (XLA's native bf16 path on the CPU, see
-    :func:`specjax.models.layers.bmm_f32acc`), float32 out: the kernel's arithmetic."""
-    from specjax.models.layers import bmm_f32acc
-
-    lead = x.shape[:-1]
-    y = bmm_f32acc(jnp.reshape(x, (-1, x.shape[-1])).astype(jnp.bfloat16), w.astype(jnp.bfloat16), False, True)
-    return jnp.reshape(y, (*lead, w.shape[-1]))
-
-
 def panels_for(value, x, *, dtype=None, out_sharding=None):
     """The panels to multiply ``x`` by, or None for the layer's own path: ``value`` (a kernel or
     tied embedding's value) is a decode-time :class:`Paneled`, the layer computes in float32
