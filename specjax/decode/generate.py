@@ -92,14 +92,14 @@ def emit(state: DecodeState, new_tokens, counts, eos_ids, pad_id: int) -> Decode
 
 def start(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int, max_len: int,
           sampling: SamplingParams, pad_id: int, cache_dtype, tap_ids: Sequence[int] = (), mesh=None,
-          packed_len: int | None = None, prefill_chunk: int | None = None):
+          packed_len: int | None = None, prefill_chunk: int | None = None, shared_prefix: int = 0):
     """Prefill into a fresh cache, sample and emit the first token. Returns ``(DecodeState, aux)``
     (aux: the prompt rows' tapped hidden states, for a draft). ``mesh``: pin the KV cache to
     ``specjax.sharding.kv_cache_sharding`` (batch on data/fsdp, heads on tensor)."""
     B = prompt_ids.shape[0]
     cache = pin_cache(KVCache.init(model.config, B, kt.cache_slots(max_len), cache_dtype), mesh)
     logits, cache, aux = prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, packed_len=packed_len,
-                                 chunk=prefill_chunk)
+                                 chunk=prefill_chunk, shared_prefix=shared_prefix)
     cache = pin_cache(cache, mesh)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, sampling)
@@ -128,7 +128,7 @@ class Capture(NamedTuple):
 def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int,
                    max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype, mesh=None,
                    packed_len: int | None = None, prefill_chunk: int | None = None, tap_ids: Sequence[int] = (),
-                   capture_dtype=None):
+                   capture_dtype=None, shared_prefix: int = 0):
     """The loop. Returns ``(tokens, num_tokens, eos_hit)``; with ``tap_ids`` also the prompt rows'
     tapped states ``[B, P, L, H]`` and the generated tokens' ``[B, N, L, H]`` (:class:`Capture`),
     in ``capture_dtype`` (the self-distillation data path)."""
@@ -136,7 +136,7 @@ def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_id
     taps = tuple(int(t) for t in tap_ids)
     st, aux = start(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
                     max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh,
-                    packed_len=packed_len, prefill_chunk=prefill_chunk, tap_ids=taps)
+                    packed_len=packed_len, prefill_chunk=prefill_chunk, tap_ids=taps, shared_prefix=shared_prefix)
     if not taps:
         def cond(s: DecodeState):
             return (s.step < max_new_tokens - 1) & ~jnp.all(s.done)
@@ -187,10 +187,10 @@ def decode_step_taps(model: CausalLM, s: DecodeState, eos_ids, *, sampling: Samp
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "max_len", "sampling", "pad_id",
                                              "cache_dtype", "packed_len", "prefill_chunk", "platform", "tap_ids",
-                                             "capture_dtype"))
+                                             "capture_dtype", "shared_prefix"))
 def _generate_jit(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens, max_len,
                   sampling, pad_id, cache_dtype, packed_len=None, prefill_chunk=None, platform=None, tap_ids=(),
-                  capture_dtype=None):
+                  capture_dtype=None, shared_prefix=0):
     """``platform`` (static: part of the trace cache key): where the params live, read by the
     platform-specific layers (:mod:`specjax.placement`)."""
     TRACE_COUNT["generate"] += 1
@@ -199,20 +199,23 @@ def _generate_jit(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_id
         return _generate_core(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
                               max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype,
                               packed_len=packed_len, prefill_chunk=prefill_chunk, tap_ids=tap_ids,
-                              capture_dtype=capture_dtype)
+                              capture_dtype=capture_dtype, shared_prefix=shared_prefix)
 
 
 def generate_padded(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int,
                     max_len: int, sampling: SamplingParams, pad_id: int, cache_dtype, tap_ids: Sequence[int] = (),
-                    capture_dtype=None, packed_len: int | None = None):
+                    capture_dtype=None, packed_len: int | None = None, shared_prefix: int = 0):
     """The jitted loop on one device over already padded arrays (``params`` as placed: pass the
     panel view, :func:`specjax.models.panels.decode_state`, on a CPU); one compile per shape.
+    ``shared_prefix``: every row starts with the same that many tokens and is longer
+    (:func:`specjax.decode.prefill.shared_prefix_prefill`).
     Returns :func:`_generate_core`'s tuple (with the captured states when ``tap_ids`` are given)."""
     return _generate_jit(graphdef, params, prompt_ids, prompt_lens, limits, key, eos_ids,
                          max_new_tokens=int(max_new_tokens), max_len=int(max_len), sampling=sampling, pad_id=int(pad_id),
                          cache_dtype=cache_dtype, packed_len=packed_len, platform=placement.platform_of(params),
                          tap_ids=tuple(int(t) for t in tap_ids),
-                         capture_dtype=None if capture_dtype is None else jnp.dtype(capture_dtype))
+                         capture_dtype=None if capture_dtype is None else jnp.dtype(capture_dtype),
+                         shared_prefix=int(shared_prefix))
 
 
 _MESH_JITS: dict = {}

@@ -1,8 +1,9 @@
 """Prefill: right-padded prompts through the target into a fresh KV cache, returning the logits
 at each prompt's last token and any tapped hidden states. Three layouts of the same result: one
 pass over ``B`` padded rows, one packed row of the prompts back to back (``packed_len``: no work
-on padding), or ``chunk`` tokens at a time in a ``lax.while_loop`` (work follows the longest
-prompt, not the padded length)."""
+on padding), ``chunk`` tokens at a time in a ``lax.while_loop`` (work follows the longest
+prompt, not the padded length), or a prefix every prompt shares (a chat template's system turn)
+run once and copied into every row (``shared_prefix``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from specjax.models.target import CausalLM, KVCache
 
 
 def prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids: Sequence[int] = (),
-            packed_len: int | None = None, chunk: int | None = None):
+            packed_len: int | None = None, chunk: int | None = None, shared_prefix: int = 0):
     """prompt_ids int [B, P] right-padded, prompt_lens int [B] >= 1. Writes the prompts into
     ``cache`` (which must start empty) and sets ``cache.lengths = prompt_lens``. Returns
     ``(last_logits [B, V], cache, aux)``; aux are [B, P, hidden] per tap id (rows past a
@@ -29,8 +30,14 @@ def prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids
     ``chunk`` (static, without ``packed_len``): run the prompts ``chunk`` tokens at a time through
     the cache in a ``lax.while_loop`` of ``ceil(max(prompt_lens) / chunk)`` trips (one compile
     for the padded length, work proportional to the longest prompt rather than the padding):
-    :func:`chunked_prefill`."""
+    :func:`chunked_prefill`.
+
+    ``shared_prefix`` (static, without ``packed_len`` or ``chunk``): every row's first
+    ``shared_prefix`` tokens are the same and every prompt is longer (the caller guarantees it):
+    :func:`shared_prefix_prefill`."""
     B, P = prompt_ids.shape
+    if shared_prefix > 0 and packed_len is None and chunk is None:
+        return shared_prefix_prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, prefix=shared_prefix)
     if packed_len is None and chunk is not None and chunk < P and chunk <= cache.max_len:
         return chunked_prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, chunk=chunk)
     if packed_len is None:
@@ -93,3 +100,35 @@ def chunked_prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *,
     n_trips = (jnp.max(lens) + C - 1) // C
     _, cache, aux, h = jax.lax.while_loop(lambda c: c[0] < n_trips, body, (jnp.zeros((), jnp.int32), cache, aux0, h0))
     return model.head(h), cache.rollback(lens), tuple(a[:, :P] for a in aux)
+
+
+def shared_prefix_prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids: Sequence[int] = (),
+                          prefix: int):
+    """:func:`prefill` of prompts that all begin with the same ``prefix`` tokens (row 0's are
+    used) and are all longer than it: the prefix runs once, as a batch of one, its K/V are
+    copied into every row's first ``prefix`` slots, then the rest of each prompt (``[B, P -
+    prefix]``, at positions ``prefix ..``) runs over that cache. The prefix's tapped states are
+    broadcast to every row. Equal to the one-pass prefill up to float reassociation; a chat
+    template's system turn (SmolLM2's: 31 tokens of prompts averaging about 90) is then paid
+    once per batch instead of once per row."""
+    B, P = prompt_ids.shape
+    S = int(prefix)
+    if not 0 < S < P:
+        raise ValueError(f"shared_prefix {S} must lie in (0, {P}): the padded prompt length")
+    one = KVCache(tuple(a[:1] for a in cache.k), tuple(a[:1] for a in cache.v), jnp.zeros((1,), jnp.int32))
+    head = model(prompt_ids[:1, :S], positions=jnp.arange(S, dtype=jnp.int32)[None], cache=one, tap_ids=tap_ids,
+                 return_logits=False)
+    def fill(a, h):  # row 0's prefix slots into every row
+        h = h[:, :, :S]
+        return jax.lax.dynamic_update_slice_in_dim(a, jnp.broadcast_to(h, (B,) + h.shape[1:]).astype(a.dtype), 0, axis=2)
+
+    k = tuple(map(fill, cache.k, head.cache.k))
+    v = tuple(map(fill, cache.v, head.cache.v))
+    cache = KVCache(k, v, jnp.full((B,), S, jnp.int32))
+    lens = prompt_lens.astype(jnp.int32)
+    pos = jnp.broadcast_to(S + jnp.arange(P - S, dtype=jnp.int32), (B, P - S))
+    out = model(prompt_ids[:, S:], positions=pos, cache=cache, tap_ids=tap_ids,
+                logits_at=jnp.clip(lens - 1 - S, 0, P - S - 1))
+    aux = tuple(jnp.concatenate([jnp.broadcast_to(a, (B,) + a.shape[1:]), b], axis=1)
+                for a, b in zip(head.aux_hidden_states, out.aux_hidden_states))
+    return out.logits, out.cache.rollback(lens), aux

@@ -46,10 +46,11 @@ class Generated:
 
 
 def _padded_batch(prompts: Sequence[Sequence[int]], lens: list[int], idx: list[int], *, batch_size: int,
-                  prompt_bucket: int, pad_id: int, max_new_tokens: int):
-    """One batch's host arrays (ids [B, P], prompt lengths, limits [B]; B = batch_size: one compile) and P."""
+                  prompt_bucket: int, pad_id: int, max_new_tokens: int, prefix: int = 0):
+    """One batch's host arrays (ids [B, P], prompt lengths, limits [B]; B = batch_size: one compile) and P:
+    the shared ``prefix`` plus the longest rest rounded up to ``prompt_bucket``."""
     B = batch_size  # fixed batch shape: one decode compile
-    P = bucket(max(lens[i] for i in idx), prompt_bucket)
+    P = prefix + bucket(max(lens[i] for i in idx) - prefix, prompt_bucket)
     ids = np.full((B, P), pad_id, np.int32)
     plen = np.ones((B,), np.int32)
     limits = np.zeros((B,), np.int32)
@@ -57,7 +58,24 @@ def _padded_batch(prompts: Sequence[Sequence[int]], lens: list[int], idx: list[i
         ids[r, : lens[i]] = prompts[i]
         plen[r] = lens[i]
         limits[r] = max_new_tokens
+    ids[len(idx):], plen[len(idx):] = ids[0], plen[0]  # filler rows (limit 0: done at once) copy row 0
     return ids, plen, limits, P
+
+
+def shared_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
+    """The number of leading tokens every prompt shares (a chat template's system turn), at most
+    the shortest prompt's length - 1 (every prompt keeps a token of its own to prefill); 0 for
+    fewer than two prompts."""
+    if len(prompts) < 2:
+        return 0
+    first = np.asarray(prompts[0])
+    n = min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        if n <= 0:
+            break
+        diff = np.nonzero(np.asarray(p[:n]) != first[:n])[0]
+        n = int(diff[0]) if diff.size else n
+    return max(n, 0)
 
 
 def _batch_results(out, prompts: Sequence[Sequence[int]], lens: list[int], idx: list[int],
@@ -80,13 +98,16 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
                                 eos_token_ids: Sequence[int] = (), pad_id: int = 0, batch_size: int = 32,
                                 prompt_bucket: int = 64, out_dtype=jnp.bfloat16, max_prompt_len: int | None = None,
                                 progress: bool = True, on_batch: Callable[[list[int], list[Generated]], None] | None = None,
-                                desc: str = "generating", compute: str = "float32") -> list[Generated]:
+                                desc: str = "generating", compute: str = "float32",
+                                share_prefix: bool = True) -> list[Generated]:
     """Generate a continuation of every prompt (token ids) and, when ``taps`` are given, the
     hidden states at those layer ids for prompt + continuation. Prompts are processed in
     batches of similar length; ``on_batch(indices, results)`` is called after each batch (so a
     caller can write files and resume). ``compute="bfloat16"``: the matmuls in bf16 with float32
     accumulation (:func:`specjax.models.panels.decode_state`; on the CPU kernels, else float32).
-    Returns results in prompt order."""
+    ``share_prefix``: the leading tokens every prompt shares (:func:`shared_prefix_len`: a chat
+    template's system turn) are prefilled once per batch and copied into every row
+    (:func:`specjax.decode.prefill.shared_prefix_prefill`). Returns results in prompt order."""
     from tqdm.auto import tqdm
 
     cfg = model.config
@@ -94,7 +115,8 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
     lens = [len(p) for p in prompts]
     if any(n == 0 for n in lens):
         raise ValueError(f"prompt {lens.index(0)} is empty")
-    Pmax = bucket(max_prompt_len or max(lens), prompt_bucket)
+    prefix = shared_prefix_len(prompts) if share_prefix else 0
+    Pmax = prefix + bucket((max_prompt_len or max(lens)) - prefix, prompt_bucket)
     if Pmax + max_new_tokens > ctx:
         raise ValueError(f"prompts up to {Pmax} tokens + {max_new_tokens} new tokens exceed the context {ctx}")
     graphdef, params = nnx.split(model)
@@ -122,11 +144,12 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
     def start(idx):
         nonlocal key
         ids, plen, limits, P = _padded_batch(prompts, lens, idx, batch_size=batch_size, prompt_bucket=prompt_bucket,
-                                             pad_id=pad_id, max_new_tokens=max_new_tokens)
+                                             pad_id=pad_id, max_new_tokens=max_new_tokens, prefix=prefix)
         key, sub = jax.random.split(key)
         return generate_padded(graphdef, params, jnp.asarray(ids), jnp.asarray(plen), jnp.asarray(limits), sub, eos,
                                max_new_tokens=max_new_tokens, max_len=P + max_new_tokens, sampling=sampling,
-                               pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps_t, capture_dtype=out_dtype)
+                               pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps_t, capture_dtype=out_dtype,
+                               shared_prefix=prefix)
 
     # batch n + 1 is dispatched before batch n's results are copied to the host and handed to
     # on_batch (where callers write them): the writes overlap the device's work

@@ -103,6 +103,45 @@ def test_packed_prefill_equals_padded(tiny, fam):
 
 
 @pytest.mark.parametrize("fam", ["llama", "qwen3"])
+def test_shared_prefix_prefill_equals_one_pass(tiny, fam):
+    """Prompts that share their first tokens (a chat template's system turn; qwen3: sliding
+    window 4, so windows span the prefix's end): the prefix run once and copied into every row
+    gives the one-pass prefill's last logits, cache rows, lengths and taps; the generate loop
+    with it is token-identical; a prefix that leaves a prompt nothing of its own is refused."""
+    from specjax.decode.prefill import shared_prefix_prefill
+    from specjax.models.target import KVCache
+
+    model, _ = tiny[fam]
+    head = [30, 31, 32, 33, 34]
+    prompts = [head + p for p in PROMPTS]
+    lens = [len(p) for p in prompts]
+    ids = np.zeros((len(prompts), 32), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    cache = KVCache.init(model.config, len(prompts), 40)
+    taps = (0, 2, model.config.num_hidden_layers)
+    ref = gen.prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, tap_ids=taps)
+    for S in (1, 5):
+        got = jax.jit(lambda i, n, c: gen.prefill(model, i, n, c, tap_ids=taps, shared_prefix=S))(
+            jnp.asarray(ids), jnp.asarray(lens), cache)
+        _assert_same_prefill(ref, got, lens)
+    with pytest.raises(ValueError, match="shared_prefix 32 must lie in \\(0, 32\\)"):
+        shared_prefix_prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, prefix=32)
+    graphdef, params = __import__("flax").nnx.split(model)
+    b = len(prompts) + 1  # a filler row past the prompts
+    ids_b = np.concatenate([ids, ids[:1]]).astype(np.int32)
+    lens_b = np.asarray(lens + lens[:1], np.int32)
+    limits = np.asarray([8] * len(prompts) + [0], np.int32)
+    runs = [gen.generate_padded(graphdef, params, jnp.asarray(ids_b), jnp.asarray(lens_b), jnp.asarray(limits),
+                                jax.random.key(0), jnp.zeros((0,), jnp.int32), max_new_tokens=8, max_len=40,
+                                sampling=SamplingParams(), pad_id=0, cache_dtype=jnp.float32, shared_prefix=S)
+            for S in (0, 5)]
+    assert b == ids_b.shape[0]
+    np.testing.assert_array_equal(np.asarray(runs[1][0])[:-1], np.asarray(runs[0][0])[:-1])
+    np.testing.assert_array_equal(np.asarray(runs[1][1]), np.asarray(runs[0][1]))
+
+
+@pytest.mark.parametrize("fam", ["llama", "qwen3"])
 @pytest.mark.parametrize("chunk", [2, 4, 7])
 def test_chunked_prefill_equals_one_pass(tiny, fam, chunk):
     """Chunks of 2 / 4 / 7 tokens through the cache (qwen3: sliding window 4, so windows span

@@ -188,6 +188,26 @@ def test_bf16_compute_regeneration(tmp_path, tiny_target):
         assert worst > 1e-6  # bf16 products, not float32's
 
 
+def test_shared_prefix_regeneration(tiny_target):
+    """Regeneration prefills the prompts' common leading tokens once per batch: the same tokens
+    and, up to float reassociation, the same captured states as prefilling every row whole;
+    ``shared_prefix_len`` keeps a token of every prompt its own."""
+    from specjax.train.selfdistill import generate_with_hidden_states, shared_prefix_len
+
+    assert shared_prefix_len([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7]]) == 2
+    assert shared_prefix_len([[1, 2], [1, 2, 3]]) == 1  # the shortest keeps its last token
+    assert shared_prefix_len([[1, 2, 3]]) == 0 and shared_prefix_len([[4, 2], [1, 2]]) == 0
+    head = [5, 9, 13, 17, 21, 25]
+    rng = np.random.default_rng(0)
+    prompts = [head + rng.integers(3, 60, size=int(n)).tolist() for n in (1, 4, 9, 17, 3)]
+    kw = dict(max_new_tokens=6, taps=TINY_AUX + [6], batch_size=2, out_dtype=np.float32, progress=False)
+    whole = generate_with_hidden_states(tiny_target.model, prompts, share_prefix=False, **kw)
+    shared = generate_with_hidden_states(tiny_target.model, prompts, **kw)
+    for a, b in zip(whole, shared):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(b.hidden_states, a.hidden_states, rtol=1e-5, atol=1e-5)
+
+
 def test_speculators_reads_our_cache(tiny_data):
     """speculators' own ArrowDataset (FileTransfer, on_missing=raise) + CollateFn + shift_batch give the
     packed row our trainer builds."""
