@@ -10,8 +10,10 @@ over the whole row up to float rounding (checked in tests), so no second pass is
 
 The loop is the generate loop (:func:`specjax.decode.generate.generate_padded` with ``tap_ids``:
 it records each fed token's taps and runs one step past the last token). Shapes: one ``jax.jit``
-(prefill + ``lax.while_loop``) per ``(batch, prompt bucket, max_new_tokens)``; prompts are
-right-padded to a multiple of ``prompt_bucket`` and each batch's KV cache holds its own bucket +
+(prefill + ``lax.while_loop``) per ``(batch, prompt bucket, max_new_tokens)``; the leading tokens
+every prompt shares (the chat template's system turn) are prefilled once per batch and copied
+into every row, the rest of each prompt is right-padded to a multiple of ``prompt_bucket``, and
+each batch's KV cache holds its own bucket +
 ``max_new_tokens`` slots (one compile per bucket: prompts run sorted by length, so short batches
 do not pay for the longest prompt's cache).
 On a single-device CPU the forwards run in the panel view of the params
