@@ -32,11 +32,13 @@ def prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCache, *, tap_ids
     for the padded length, work proportional to the longest prompt rather than the padding):
     :func:`chunked_prefill`.
 
-    ``shared_prefix`` (static, without ``packed_len`` or ``chunk``): every row's first
+    ``shared_prefix`` (static; not with ``packed_len`` or ``chunk``): every row's first
     ``shared_prefix`` tokens are the same and every prompt is longer (the caller guarantees it):
     :func:`shared_prefix_prefill`."""
     B, P = prompt_ids.shape
-    if shared_prefix > 0 and packed_len is None and chunk is None:
+    if shared_prefix > 0:
+        if packed_len is not None or chunk is not None:
+            raise ValueError("shared_prefix is its own prefill layout: pass it without packed_len or chunk")
         return shared_prefix_prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, prefix=shared_prefix)
     if packed_len is None and chunk is not None and chunk < P and chunk <= cache.max_len:
         return chunked_prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, chunk=chunk)

@@ -24,6 +24,7 @@ streams the weights once per step where XLA's dot would re-read them at a stride
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -70,14 +71,8 @@ def shared_prefix_len(prompts: Sequence[Sequence[int]]) -> int:
     fewer than two prompts."""
     if len(prompts) < 2:
         return 0
-    first = np.asarray(prompts[0])
-    n = min(len(p) for p in prompts) - 1
-    for p in prompts[1:]:
-        if n <= 0:
-            break
-        diff = np.nonzero(np.asarray(p[:n]) != first[:n])[0]
-        n = int(diff[0]) if diff.size else n
-    return max(n, 0)
+    common = len(os.path.commonprefix([list(p) for p in prompts]))  # element-wise on lists too
+    return max(min(common, min(len(p) for p in prompts) - 1), 0)
 
 
 def _batch_results(out, prompts: Sequence[Sequence[int]], lens: list[int], idx: list[int],

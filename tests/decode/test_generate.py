@@ -107,7 +107,8 @@ def test_shared_prefix_prefill_equals_one_pass(tiny, fam):
     """Prompts that share their first tokens (a chat template's system turn; qwen3: sliding
     window 4, so windows span the prefix's end): the prefix run once and copied into every row
     gives the one-pass prefill's last logits, cache rows, lengths and taps; the generate loop
-    with it is token-identical; a prefix that leaves a prompt nothing of its own is refused."""
+    with it is token-identical; a prefix that leaves a prompt nothing of its own, or one combined
+    with another layout, is refused."""
     from specjax.decode.prefill import shared_prefix_prefill
     from specjax.models.target import KVCache
 
@@ -127,6 +128,8 @@ def test_shared_prefix_prefill_equals_one_pass(tiny, fam):
         _assert_same_prefill(ref, got, lens)
     with pytest.raises(ValueError, match="shared_prefix 32 must lie in \\(0, 32\\)"):
         shared_prefix_prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, prefix=32)
+    with pytest.raises(ValueError, match="without packed_len or chunk"):
+        gen.prefill(model, jnp.asarray(ids), jnp.asarray(lens), cache, shared_prefix=5, chunk=4)
     graphdef, params = __import__("flax").nnx.split(model)
     b = len(prompts) + 1  # a filler row past the prompts
     ids_b = np.concatenate([ids, ids[:1]]).astype(np.int32)
