@@ -40,6 +40,10 @@ from flax import nnx
 from specjax import kernels, placement
 
 MAX_ROWS = 16  # rows (batch x tokens) up to which the panel kernel runs; longer inputs (prefill) use XLA's dot
+# the same bound for a bf16-compute state's k-pair panels (regeneration): its rows are bf16-rounded either way, and
+# a decode step of 32 or 64 rows still streams each weight once (64 prompts x 96 tokens: 306 new tokens/s at 16
+# rows a step, 348 at 32, 360 at 64); a prefill's thousands of rows still take XLA's bf16 dot
+MAX_ROWS_BF16 = 64
 WIDTHS = (64, 32, 16)
 MIN_PANELS = 8  # prefer the widest panel that still gives this many (work units for the threads)
 PANEL_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -108,15 +112,21 @@ def unpack(wp):
     return jnp.reshape(jnp.transpose(wp, (1, 0, 2)), (K, P * W))
 
 
-def _fits(dtype, rows: int) -> bool:
-    return jnp.dtype(dtype) == jnp.float32 and rows <= MAX_ROWS and kernels.available()
+def _fits(dtype, rows: int, limit: int | None = None) -> bool:
+    return jnp.dtype(dtype) == jnp.float32 and rows <= (MAX_ROWS if limit is None else limit) and kernels.available()
 
 
-def fits(x) -> bool:
-    """The panel kernel takes this input: float32, at most :data:`MAX_ROWS` rows (batch x tokens)
-    -- more rows (a prefill) are compute-bound, where XLA's GEMM on the plain kernel is the better
-    choice -- and the kernels are available."""
-    return _fits(x.dtype, math.prod(x.shape[:-1]))
+def row_limit(value) -> int:
+    """How many rows (batch x tokens) a decode-time weight's kernel takes: :data:`MAX_ROWS_BF16`
+    for bf16-compute k-pair panels, else :data:`MAX_ROWS`."""
+    return MAX_ROWS_BF16 if isinstance(value, Paneled) and value.packed.ndim == 4 else MAX_ROWS
+
+
+def fits(x, limit: int | None = None) -> bool:
+    """The panel kernel takes this input: float32, at most ``limit`` (default :data:`MAX_ROWS`)
+    rows (batch x tokens) -- more rows (a prefill) are compute-bound, where XLA's GEMM on the
+    plain kernel is the better choice -- and the kernels are available."""
+    return _fits(x.dtype, math.prod(x.shape[:-1]), limit)
 
 
 def bf16_compute(value, dtype=None, out_sharding=None) -> bool:
@@ -133,7 +143,7 @@ def panels_for(value, x, *, dtype=None, out_sharding=None):
     (``dtype`` None or float32: a bf16-compute layer keeps its own arithmetic), no output
     sharding is asked for, and ``x`` :func:`fits`."""
     if (isinstance(value, Paneled) and out_sharding is None
-            and (dtype is None or jnp.dtype(dtype) == jnp.float32) and fits(x)):
+            and (dtype is None or jnp.dtype(dtype) == jnp.float32) and fits(x, row_limit(value))):
         return value.packed
     return None
 
@@ -141,9 +151,11 @@ def panels_for(value, x, *, dtype=None, out_sharding=None):
 def attention_fits(q_proj, q, k) -> bool:
     """The target's cached attention runs on :func:`decode_attention`: the forward is in the panel
     view (``q_proj``'s kernel is :class:`Paneled`: single-device CPU), ``q`` [B, T, Hq, D] has at
-    most :data:`MAX_ROWS` tokens, and ``q`` and the cache ``k`` are float32."""
-    return (isinstance(q_proj.kernel.get_value(), Paneled) and k.dtype == jnp.float32
-            and _fits(q.dtype, q.shape[0] * q.shape[1]))
+    most :data:`MAX_ROWS` tokens (:func:`row_limit` of ``q_proj``'s kernel: more in a bf16-compute
+    state), and ``q`` and the cache ``k`` are float32."""
+    value = q_proj.kernel.get_value()
+    return (isinstance(value, Paneled) and k.dtype == jnp.float32
+            and _fits(q.dtype, q.shape[0] * q.shape[1], row_limit(value)))
 
 
 def matmul(x, wp):

@@ -18,8 +18,9 @@ each batch's KV cache holds its own bucket +
 do not pay for the longest prompt's cache).
 On a single-device CPU the forwards run in the panel view of the params
 (:func:`specjax.models.panels.decode_state`: the native matmul and decode-attention kernels, as
-the generate loop does); at most ``panels.MAX_ROWS`` rows a step take that path, so a batch of 16
-streams the weights once per step where XLA's dot would re-read them at a stride.
+the generate loop does); at most ``panels.MAX_ROWS`` rows a step take that path
+(``panels.MAX_ROWS_BF16`` with ``compute="bfloat16"``), so a batch of 16 (32 in bf16) streams the
+weights once per step where XLA's dot would re-read them at a stride.
 """
 
 from __future__ import annotations

@@ -385,15 +385,52 @@ def test_bf16_compute_decode_state(tied):
     assert 1e-6 * scale < np.abs(lf - lb).max() <= 5e-2 * scale  # bf16 products, not float32's
     ids = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 1)), jnp.int32)
     on_kernel, _ = jax.jit(fwd)(view, ids, cb)
-    max_rows = panels.MAX_ROWS
+    max_rows = panels.MAX_ROWS, panels.MAX_ROWS_BF16
     try:
-        panels.MAX_ROWS = 0  # every matmul off the kernel: XLA's bf16 dot, the same arithmetic
+        panels.MAX_ROWS = panels.MAX_ROWS_BF16 = 0  # every matmul off the kernel: XLA's bf16 dot, the same arithmetic
         on_xla, _ = jax.jit(fwd)(view, ids, cb)
     finally:
-        panels.MAX_ROWS = max_rows
+        panels.MAX_ROWS, panels.MAX_ROWS_BF16 = max_rows
     a, b = np.asarray(on_kernel), np.asarray(on_xla)
     assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
     f32, _ = jax.jit(fwd)(state, ids, cf)
     assert np.abs(np.asarray(f32) - a).max() <= 5e-2 * np.abs(np.asarray(f32)).max()
     with pytest.raises(ValueError, match="compute dtype"):
         panels.decode_state(tied, state, compute="float16")
+
+
+@needs_kernels
+def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied):
+    """A bf16-compute state runs matmuls and the cached attention on the native kernels up to
+    MAX_ROWS_BF16 rows (a regeneration batch of 32 or 64 sequences), beyond MAX_ROWS; the float32
+    panel view keeps MAX_ROWS; past the limit both take XLA's ops. Outputs on the kernels equal
+    XLA's bf16 dot's within float32 rounding."""
+    graphdef, state = nnx.split(tied)
+    view = panels.decode_state(tied, state, compute="bfloat16")
+    f32_view = panels.decode_state(tied, state)
+    cfg = tied.config
+    assert panels.MAX_ROWS < 2 * 24 <= panels.MAX_ROWS_BF16 < 2 * 40
+
+    def fwd(st, ids, cache):
+        out = nnx.merge(graphdef, st)(ids, cache=cache)
+        return out.logits, out.cache
+
+    def calls(st, T):
+        ids = jnp.ones((2, T), jnp.int32)
+        txt = jax.jit(fwd).lower(st, ids, KVCache.init(cfg, 2, 48)).as_text()
+        return {n: txt.count(n) for n in ("specjax_panel_dot_bf16", "specjax_panel_matmul", "specjax_decode_attention")}
+
+    on = calls(view, 24)  # 48 rows
+    assert on["specjax_panel_dot_bf16"] > 0 and on["specjax_decode_attention"] > 0, on
+    assert not any(calls(f32_view, 24).values())  # 48 rows are past the float32 panels' limit
+    assert not any(calls(view, 40).values())  # 80 rows: XLA's bf16 dot and masked attention
+    rng = np.random.default_rng(5)
+    ids = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 24)), jnp.int32)
+    a = np.asarray(jax.jit(fwd)(view, ids, KVCache.init(cfg, 2, 48))[0])
+    limits = panels.MAX_ROWS, panels.MAX_ROWS_BF16
+    try:
+        panels.MAX_ROWS = panels.MAX_ROWS_BF16 = 0
+        b = np.asarray(jax.jit(fwd)(view, ids, KVCache.init(cfg, 2, 48))[0])
+    finally:
+        panels.MAX_ROWS, panels.MAX_ROWS_BF16 = limits
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
