@@ -52,7 +52,7 @@ from flax import nnx
 
 from specjax import kernels
 from specjax.decode.batch import bucket, packed_length
-from specjax.decode.costs import measure_costs
+from specjax.decode.costs import measure_costs, round_ms
 from specjax.decode.generate import generate_ids
 from specjax.decode.sampling import GREEDY, SamplingParams
 from specjax.decode.spec_stats import SpecStats, alpha_from_tau, predicted_speedup
@@ -306,7 +306,7 @@ class _Sides:
                                 "rounds_reaching_depth": reached.tolist(),
                                 "rank_acceptance": [[round(float(x), 4) for x in row] for row in p],
                                 "seconds": round(cal_s, 2)},
-                "target_step_ms": round(step_ms, 3), "candidates": [c.to_json() for c in scored],
+                "target_step_ms": round_ms(step_ms), "candidates": [c.to_json() for c in scored],
                 "cost_seconds": round(time.perf_counter() - t0, 2), "picked": best.to_json(),
                 "pick_rule": "the smallest tree predicted within 2% of the best predicted speedup"}
 
@@ -398,8 +398,8 @@ def _tree_fields(sides: _Sides, timed: _Timed, fixed: dict, auto: dict | None, c
            "speculative": {"tokens": timed.n["tree"], "seconds": round(timed.t["tree"], 3),
                            "tok_s": round(tps["tree"], 2)},
            "speedup": round(tps["tree"] / tps["base"], 3), "speedup_over_chain": round(tps["tree"] / tps["spec"], 3),
-           "cost": {"target_step_ms": round(step_ms, 3), "verify_ms": round(c.verify_ms, 3),
-                    "draft_ms": round(c.draft_ms, 3), "verify_overhead": round(c.verify_ms / step_ms, 4)},
+           "cost": {"target_step_ms": round_ms(step_ms), "verify_ms": round_ms(c.verify_ms),
+                    "draft_ms": round_ms(c.draft_ms), "verify_overhead": round(c.verify_ms / step_ms, 4)},
            "predicted_speedup": round(pred, 3), "speedup_over_predicted": round(tps["tree"] / tps["base"] / pred, 3),
            "compile_s": round(compile_s, 2)}
     dec = _decode_only(sides, timed, fixed, "tree")

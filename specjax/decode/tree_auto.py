@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.decode.costs import (
-    best_interleaved, cycled, per_round, probe_setup, probe_step, probe_verify, target_split,
+    best_interleaved, cycled, per_round, probe_setup, probe_step, probe_verify, round_ms, target_split,
 )
 from specjax.decode.generate import pin_cache
 from specjax.decode.tree import TokenTree
@@ -192,8 +192,8 @@ class Candidate:
 
     def to_json(self) -> dict:
         return {"nodes": self.tree.num_nodes, "depth": self.tree.max_depth, "paths": [list(p) for p in self.tree.paths],
-                "predicted_tau": round(self.predicted_tau, 4), "verify_ms": round(self.cost.verify_ms, 3),
-                "draft_ms": round(self.cost.draft_ms, 3), "predicted_speedup": round(self.predicted_speedup, 3)}
+                "predicted_tau": round(self.predicted_tau, 4), "verify_ms": round_ms(self.cost.verify_ms),
+                "draft_ms": round_ms(self.cost.draft_ms), "predicted_speedup": round(self.predicted_speedup, 3)}
 
 
 def candidates(p: np.ndarray, sizes: Sequence[int] = CANDIDATE_NODES) -> list[tuple[TokenTree, float]]:

@@ -98,3 +98,14 @@ def test_bench_own_buckets_at_batch_1(ckpts):
     assert d["prompt_buckets"] == [32, 64] and d["prompt_bucket"] == 64
     assert d["identical_greedy_outputs"] == "3/3" and d["target_only"]["tokens"] == d["speculative"]["tokens"] == 15
     assert d["compile_s"]["target_only"] > 0 and d["compile_s"]["speculative"] > 0
+
+
+def test_round_costs_keep_tiny_positive_times():
+    """Reported per-round times keep 5 significant digits: a tiny draft's round the timing puts at
+    0.0004 ms stays positive (``round(x, 3)`` made it 0.0 and a report read as a free draft), and
+    ``per_round`` is positive whether the 2R call took longer than the R call or, in noise, not."""
+    from specjax.decode.costs import per_round, round_ms
+
+    assert round_ms(0.00041234) == 0.00041234 and round_ms(15.123456) == 15.123 and round_ms(1234.5678) == 1234.6
+    assert per_round(1.0e-3, 1.0000012e-3, 3) > 0 and round_ms(1e3 * per_round(1.0e-3, 1.0000012e-3, 3)) > 0
+    assert per_round(1.0e-3, 0.9e-3, 3) == pytest.approx(0.9e-3 / 6)
