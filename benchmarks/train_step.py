@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3_row import SMOL, make_batch  # noqa: E402  (benchmarks/ is the script directory)
+from eagle3_row import SMOL, jax_batch, make_batch, smol_draft  # noqa: E402  (benchmarks/ is the script directory)
 
 
 def main():
@@ -47,31 +47,19 @@ def main():
     args = ap.parse_args()
 
     import jax
-    import jax.numpy as jnp
     import torch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    from specjax.models.config import TargetConfig
-    from specjax.models.target import build_model
     from specjax.train.config import load_recipe
-    from specjax.train.export import draft_layer_config, init_draft, speculators_config
-    from specjax.train.step import TRACE_COUNT, device_batch, make_step_fns
+    from specjax.train.export import init_draft
+    from specjax.train.step import TRACE_COUNT, make_step_fns
     from specjax.train.algorithms.base import FROZEN, trainable_filter_for
     from specjax.train.optim import build_optimizer
-    from specjax.train.vocab import build_vocab_mapping
     from flax import nnx
 
     V, H, Vd = SMOL["vocab_size"], SMOL["hidden_size"], args.draft_vocab
-    tcfg = TargetConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SMOL})
-    target = build_model(tcfg, rngs=nnx.Rngs(0))
-    layer = draft_layer_config(tcfg, draft_arch="llama", num_layers=1, sliding_window=2048)
-    doc = speculators_config("eagle3", layer=layer, draft_vocab_size=Vd, aux_layer_ids=[2, 15, 27],
-                             speculative_tokens=3, verifier="bench", verifier_arch="LlamaForCausalLM",
-                             norm_before_fc=True, norm_output=True, norm_before_residual=True)
-    rng = np.random.default_rng(0)
-    d2t, t2d = build_vocab_mapping({int(t): int(c) for t, c in enumerate(rng.integers(1, 1000, V))}, Vd, V) \
-        if Vd != V else (None, None)
+    target, doc, t2d, d2t = smol_draft(Vd)
     _, model = init_draft(doc, target, seed=0, t2d=t2d, d2t=d2t)
     batch = make_batch(args.tokens, H, V)
 
@@ -122,8 +110,7 @@ def main():
                             scheduler_type="none", warmup=0, total=1)
     opt_state = tx.init(params)
     fns = make_step_fns(graphdef, frozen, tx, rcfg)
-    jb = device_batch({k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in batch.items()})
-    jb = {k: (v.astype(jnp.bfloat16) if "hidden_states" in k else v) for k, v in jb.items()}
+    jb = jax_batch(batch)
     jl = []
     for _ in range(args.warmup):
         params, opt_state, m = fns.train_step(params, opt_state, jb)
