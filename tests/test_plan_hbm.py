@@ -131,6 +131,62 @@ ENTRY %main (a: (s32[], f32[256])) -> (s32[], f32[256]) {
         hbm.hbm_bytes(loop.replace("ENTRY ", ""))
 
 
+def test_a_scanned_layer_counts_its_body_per_iteration_and_reads_one_layer_of_the_stack():
+    """A ``lax.scan`` over 4 stacked [512, 256] bf16 weights (256 KiB each): the body's matmul
+    fusion takes the whole stack, its nested fusion slices the iteration's layer. Per iteration:
+    one layer's weight, the [8, 512] f32 input read and the [8, 256] f32 output written; 4 times."""
+    scan = """HloModule m
+
+%slice_layer (param_0.1: bf16[4,512,256], param_1.1: s32[]) -> bf16[512,256] {
+  %param_0.1 = bf16[4,512,256]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %param_1.1 = s32[]{:T(128)} parameter(1)
+  %constant.1 = s32[]{:T(128)} constant(0)
+  %ds.1 = bf16[1,512,256]{2,1,0:T(8,128)(2,1)} dynamic-slice(%param_0.1, %param_1.1, %constant.1, %constant.1), dynamic_slice_sizes={1,512,256}
+  ROOT %b.1 = bf16[512,256]{1,0:T(8,128)(2,1)} bitcast(%ds.1)
+}
+
+%matmul (param_0.2: f32[8,512], param_1.2: bf16[4,512,256], param_2.2: s32[]) -> f32[8,256] {
+  %param_0.2 = f32[8,512]{1,0:T(8,128)} parameter(0)
+  %param_1.2 = bf16[4,512,256]{2,1,0:T(8,128)(2,1)} parameter(1)
+  %param_2.2 = s32[]{:T(128)} parameter(2)
+  %w.2 = bf16[512,256]{1,0:T(8,128)(2,1)} fusion(%param_1.2, %param_2.2), kind=kLoop, calls=%slice_layer
+  %c.2 = f32[512,256]{1,0:T(8,128)} convert(%w.2)
+  ROOT %d.2 = f32[8,256]{1,0:T(8,128)} dot(%param_0.2, %c.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (s32[], f32[8,512], bf16[4,512,256])) -> (s32[], f32[8,512], bf16[4,512,256]) {
+  %p = (s32[], f32[8,512]{1,0:T(8,128)}, bf16[4,512,256]{2,1,0:T(8,128)(2,1)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %x = f32[8,512]{1,0:T(8,128)} get-tuple-element(%p), index=1
+  %ws = bf16[4,512,256]{2,1,0:T(8,128)(2,1)} get-tuple-element(%p), index=2
+  %y = f32[8,256]{1,0:T(8,128)} fusion(%x, %ws, %i), kind=kOutput, calls=%matmul
+  %one = s32[]{:T(128)} constant(1)
+  %i1 = s32[]{:T(128)} add(%i, %one)
+  ROOT %t = (s32[], f32[8,512]{1,0:T(8,128)}, bf16[4,512,256]{2,1,0:T(8,128)(2,1)}) tuple(%i1, %x, %ws)
+}
+
+%cond (p.1: (s32[], f32[8,512], bf16[4,512,256])) -> pred[] {
+  %p.1 = (s32[], f32[8,512]{1,0:T(8,128)}, bf16[4,512,256]{2,1,0:T(8,128)(2,1)}) parameter(0)
+  %n.1 = s32[]{:T(128)} constant(4)
+  %i.1 = s32[]{:T(128)} get-tuple-element(%p.1), index=0
+  ROOT %lt.1 = pred[]{:T(512)} compare(%i.1, %n.1), direction=LT
+}
+
+ENTRY %main (a: (s32[], f32[8,512], bf16[4,512,256])) -> (s32[], f32[8,512], bf16[4,512,256]) {
+  %a = (s32[], f32[8,512]{1,0:T(8,128)}, bf16[4,512,256]{2,1,0:T(8,128)(2,1)}) parameter(0)
+  ROOT %w = (s32[], f32[8,512]{1,0:T(8,128)}, bf16[4,512,256]{2,1,0:T(8,128)(2,1)}) while(%a), condition=%cond, body=%body
+}
+"""
+    comps = hbm.parse(scan)
+    assert hbm.trip_count(comps["cond"]) == 4
+    # per iteration, besides the layer's weight, the input and the output: the fusion reads the counter
+    # (4 bytes), the counter's add reads 8 and writes 4, the condition's compare reads 8 and writes 1
+    per = 512 * 256 * 2 + 8 * 512 * 4 + 8 * 256 * 4 + 4 + 12 + 9
+    assert hbm.hbm_bytes(scan) == 4 * per
+    # a condition that is not a counted loop's (a decode loop's `not done`) counts the body once
+    assert hbm.hbm_bytes(scan.replace("direction=LT", "direction=NE")) == per
+
+
 def test_slice_start_reads_its_slice_as_async_start_does():
     """The same prefetch printed as ``slice-start`` (another libtpu's spelling) counts the same."""
     alt = STEP.replace("async-start(%w.1), calls=%async_computation.1", "slice-start(%w.1), slice={[512:1024], [0:512]}")

@@ -34,13 +34,18 @@ pos[b, t] - W`` on sliding-window layers). Hence:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax import placement
 from specjax.kernels import tpu as kt
+from specjax.kernels.tpu.dispatch import ambient_mesh
 from specjax.models.config import TargetConfig
 from specjax.models.errors import ContextLengthError, TapIdError, UnknownArchitectureError
 from specjax.models import panels
@@ -179,23 +184,136 @@ class CausalLM(nnx.Module):
         mode = _Mode.of(input_ids, positions, cache, attention_mask, segments, tree_mask)
         aux = {}
         new_k, new_v = [], []
-        for i, layer in enumerate(self.model.layers):
-            if i in taps:
-                aux[i] = x
-            attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o, k, v = mode.attend(i, attn, q, k, v, layer.sliding_window)
-            if cache is not None:
-                new_k.append(k)
-                new_v.append(v)
-            x = x + attn.output(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if cache is None and n > 1 and use_layer_scan(self.model.layers, x):
+            x = _scan_layers(self.model.layers, x, cos, sin, mode, taps, aux)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if i in taps:
+                    aux[i] = x
+                ck = cv = None
+                if cache is not None:
+                    ck, cv = cache.k[i], cache.v[i]
+                x, k, v = _layer_step(layer, x, cos, sin, mode, ck, cv)
+                if cache is not None:
+                    new_k.append(k)
+                    new_v.append(v)
         if n in taps:
             aux[n] = x
         logits = self.head(mode.rows(x, logits_at)) if return_logits else None
         new_cache = None if cache is None else mode.advance(new_k, new_v)
         return TargetOutput(logits, new_cache, tuple(aux[i] for i in taps))
+
+
+_SCAN_LAYERS: contextvars.ContextVar[bool | None] = contextvars.ContextVar("specjax_scan_layers", default=None)
+_SCAN_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("specjax_scan_log", default=None)
+
+
+def scan_layers_on() -> bool | None:
+    """Whether target forwards without a KV cache run their layers under ``lax.scan`` (one compiled
+    layer body per run of alike layers instead of every layer unrolled): inside :func:`layer_scan`
+    its answer; else ``SPECJAX_SCAN_LAYERS`` (``1`` / ``0``); else None ("where it pays"): in
+    programs built for a TPU or a GPU (:func:`specjax.placement.platform`) a forward scans when a
+    layer's float32 residual stream per chip outweighs the layer's weights per chip (see
+    :func:`_scan_pays`); on the CPU, whose native kernels run per layer, never."""
+    v = _SCAN_LAYERS.get()
+    if v is not None:
+        return v
+    env = os.environ.get("SPECJAX_SCAN_LAYERS", "").strip().lower()
+    if env:
+        return env not in ("0", "false", "no", "off")
+    return None if placement.platform() != "cpu" else False
+
+
+@contextlib.contextmanager
+def layer_scan(on: bool = True):
+    """Within the block, target forwards without a cache scan their layers (``on``) or unroll them."""
+    token = _SCAN_LAYERS.set(bool(on))
+    try:
+        yield
+    finally:
+        _SCAN_LAYERS.reset(token)
+
+
+@contextlib.contextmanager
+def recording_layer_scans():
+    """Yields a list that collects, for every target forward traced in the block that scans its
+    layers, its :func:`layer_runs` (``specjax plan`` asks whether a program scanned)."""
+    log: list = []
+    token = _SCAN_LOG.set(log)
+    try:
+        yield log
+    finally:
+        _SCAN_LOG.reset(token)
+
+
+def _scan_pays(layer, x) -> bool:
+    """Per chip of the mesh the program is built for: a layer's float32 residual stream (the
+    unrolled forward keeps about one ``[B, T, hidden]`` float32 temporary per layer alive; batch
+    split over ``data`` x ``fsdp``) at least the layer's weights (split over ``fsdp`` x ``tensor``;
+    a scan stacks each run's weights into one copy). Llama-3.1-8B on tensor=8: an 8192-token row
+    134 MB against 55 MB (peak 6.4 -> 3.2 GiB); 1024 tokens 17 MB (unrolled); data=8, a row per chip:
+    134 MB against 436 MB (unrolled: the replicated weights' copy would not fit)."""
+    mesh = ambient_mesh()
+    sizes = dict(mesh.shape) if mesh is not None else {}
+    rows = -(-x.shape[0] // (sizes.get("data", 1) * sizes.get("fsdp", 1)))
+    act = rows * x.shape[1] * x.shape[2] * 4
+    weights = sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(nnx.state(layer, nnx.Param)))
+    return act >= weights / (sizes.get("fsdp", 1) * sizes.get("tensor", 1))
+
+
+def use_layer_scan(layers, x) -> bool:
+    on = scan_layers_on()
+    return bool(on) if on is not None else _scan_pays(layers[0], x)
+
+
+def layer_runs(num_layers: int, taps: Sequence[int], windows: Sequence[int | None]) -> list[tuple[int, int]]:
+    """``[a, b)`` runs of consecutive layers that one scan can take: a run starts at every tap id
+    (its input is a tapped state) and wherever the sliding window changes (a static property of
+    the layer's mask)."""
+    cuts = {0, num_layers}
+    cuts.update(t for t in taps if 0 < t < num_layers)
+    cuts.update(i for i in range(1, num_layers) if windows[i] != windows[i - 1])
+    c = sorted(cuts)
+    return list(zip(c[:-1], c[1:]))
+
+
+def _layer_step(layer, x, cos, sin, mode, ck, cv):
+    """One decoder layer of a target forward -> (x, K, V) (K/V as the cache now holds them when
+    ``ck``/``cv``, the layer's cache, are given)."""
+    attn = layer.self_attn
+    q, k, v = attn.project(layer.input_layernorm(x))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o, k, v = mode.attend(attn, q, k, v, layer.sliding_window, ck, cv)
+    x = x + attn.output(o)
+    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
+
+
+def _scan_layers(layers, x, cos, sin, mode, taps, aux):
+    """The layers of a forward without a cache, each :func:`layer_runs` run of two or more under one
+    ``lax.scan`` over its layers' params stacked along a new leading axis (a copy of the run's
+    weights per call: a forward's transient, next to the activations it streams), tapped states
+    recorded into ``aux`` at run starts. Same math as the unrolled loop, per layer."""
+    runs = layer_runs(len(layers), taps, [layer.sliding_window for layer in layers])
+    log = _SCAN_LOG.get()
+    if log is not None and any(b - a > 1 for a, b in runs):
+        log.append(runs)
+    for a, b in runs:
+        if a in taps:
+            aux[a] = x
+        if b - a == 1:
+            x = _layer_step(layers[a], x, cos, sin, mode, None, None)[0]
+            continue
+        if not mode.pallas:
+            mode.mask(layers[a].sliding_window)  # built once, outside the scan body
+        graphdef = nnx.graphdef(layers[a])
+        states = [nnx.state(layers[i]) for i in range(a, b)]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+        def body(h, st, graphdef=graphdef):
+            return _layer_step(nnx.merge(graphdef, st), h, cos, sin, mode, None, None)[0], None
+
+        x, _ = jax.lax.scan(body, x, stacked)
+    return x
 
 
 def _tree_and_positions(input_ids, positions, cache, segments, tree_mask):
@@ -278,34 +396,35 @@ class _Mode:
                 self.masks[w] = self.masks[w] & self.same[:, None]
         return self.masks[w]
 
-    def attend(self, i: int, attn, q, k, v, w):
-        """Layer ``i``'s attention output, and its K/V as the cache now holds them (with a cache)."""
+    def attend(self, attn, q, k, v, w, ck=None, cv=None):
+        """One layer's attention output, and its K/V as the cache now holds them (with a cache:
+        ``ck``/``cv`` are that layer's cache arrays before this forward)."""
         if self.kind == "packed":
-            cache, seg = self.cache, self.seg
-            nk, nv = write_packed(cache.k[i], seg, self.kv_pos, k[0]), write_packed(cache.v[i], seg, self.kv_pos, v[0])
+            seg = self.seg
+            nk, nv = write_packed(ck, seg, self.kv_pos, k[0]), write_packed(cv, seg, self.kv_pos, v[0])
             if self.pallas:  # exact: a sequence's tokens are contiguous in the row, at consecutive positions
                 return kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, segment_ids=seg[None]),
                                         scale=attn.scaling), nk, nv
             return attend(q, k, v, self.mask(w), scale=attn.scaling), nk, nv
         if self.kind in ("cache", "tree"):
-            nk, nv = write_cache(self.cache.k[i], self.slots, k), write_cache(self.cache.v[i], self.slots, v)
-            return self._attend_cache(attn, i, q, k, v, nk, nv, w), nk, nv
+            nk, nv = write_cache(ck, self.slots, k), write_cache(cv, self.slots, v)
+            return self._attend_cache(attn, ck, cv, q, k, v, nk, nv, w), nk, nv
         if self.pallas:  # packed rows: a sequence's tokens are contiguous, so causal within a segment is exact
             spec = kt.causal(window=w, segment_ids=self.seg) if self.seg is not None else \
                 kt.causal(window=w, kv_valid=self.kv_valid)
             return kt.tpu_attention(q, k, v, mask_spec=spec, scale=attn.scaling), k, v
         return attend(q, k, v, self.mask(w), scale=attn.scaling), k, v
 
-    def _attend_cache(self, attn, i, q, rows_k, rows_v, k, v, w):
-        """Layer ``i``'s attention over the cache: the kernel that fits. ``rows_k``/``rows_v``: this
-        forward's own K/V rows; ``k``, ``v``: the cache with them written."""
+    def _attend_cache(self, attn, ck, cv, q, rows_k, rows_v, k, v, w):
+        """One layer's attention over the cache: the kernel that fits. ``ck``/``cv``: the layer's
+        cache before this forward; ``rows_k``/``rows_v``: this forward's own K/V rows; ``k``, ``v``:
+        the cache with them written."""
         T = q.shape[1]
         if self.kind == "tree":
             if self.pallas:
                 # the committed blocks of the cache as it was (the write does not touch them) on the kernel,
                 # the tree's own rows beside (rounded to the cache's dtype, as the cache holds them): the
                 # attention does not wait on the cache update
-                ck, cv = self.cache.k[i], self.cache.v[i]
                 return kt.tree_cache_attention(q, ck, cv, rows_k.astype(ck.dtype), rows_v.astype(cv.dtype),
                                                self.cache.lengths, self.positions, self.tree_mask, window=w,
                                                scale=attn.scaling)

@@ -13,7 +13,8 @@ memory space (``S(n)``, n > 0, is on-chip: VMEM, SMEM, semaphores). Per instruct
 
 * a fusion reads, of each HBM operand, what its fused computation takes from it: the whole
   operand, or only the outputs of the ``dynamic-slice`` / ``slice`` / ``gather`` that are its
-  only users (an embedding lookup reads one row, not the table); a fused
+  only users, directly or through nested fusions (an embedding lookup reads one row, not the
+  table; a scanned layer's matmul reads its layer of the stacked weights); a fused
   ``dynamic-update-slice`` or ``scatter`` into a parameter writes only its update (in place: a
   KV-cache write touches the new rows, not the cache);
 * a ``dynamic-update-slice`` or ``scatter`` writes its update, in place (its indices and update
@@ -21,8 +22,11 @@ memory space (``S(n)``, n > 0, is on-chip: VMEM, SMEM, semaphores). Per instruct
   calling a ``slice``, or ``slice-start``: its shape is ``((operands), destination, context)``)
   reads the slice; ``copy-start`` and ``copy`` read the source and write the destination;
 * ``bitcast``, tuples, ``get-tuple-element``, parameters, constants and the ``*-done`` halves of
-  async pairs move nothing; a ``while`` counts its body once (as ``cost_analysis`` does), a
-  ``call`` its callee, a ``conditional`` every branch (an upper bound);
+  async pairs move nothing; a ``while`` counts its body times its trip count when the condition
+  is a counted loop's (``lax.scan``/``fori_loop``: ROOT ``compare(counter, constant N),
+  direction=LT``, the counter starting at 0: a scan over layers), else once (as ``cost_analysis``
+  counts every body: a decode loop's trip count is not static); a ``call`` its callee, a
+  ``conditional`` every branch (an upper bound);
 * a Mosaic kernel (``tpu_custom_call``) is charged its whole HBM operands and results: an upper
   bound (the decode attention kernel reads only the visible cache blocks).
 
@@ -180,7 +184,34 @@ def _called(inst: Inst, key: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _fusion_reads(inst: Inst, fused: Computation | None, shapes: dict[str, str]) -> float:
+def _partial_read(comp: Computation, pname: str, comps: dict[str, Computation], depth: int = 0) -> float | None:
+    """Bytes a fused computation reads of its parameter ``pname`` when it takes only slices of it:
+    every user a ``dynamic-slice`` / ``slice`` / ``gather`` of it, or a nested fusion that in turn
+    only slices it (a scanned layer's weights: the matmul fusion's operand is the whole
+    ``[layers, ...]`` stack, its inner fusion slices the iteration's layer). None: read whole."""
+    users = [i for i in comp.insts if pname in i.operands]
+    if not users or depth > 8:
+        return None
+    total = 0.0
+    for u in users:
+        if u.op in _PARTIAL_READS and u.operands[0] == pname and pname not in u.operands[1:]:
+            total += sum(b for b, _ in arrays(u.shape))
+            continue
+        inner = comps.get(_called(u, "calls") or "") if u.op == "fusion" else None
+        if inner is None:
+            return None
+        for j, o in enumerate(u.operands):
+            if o != pname:
+                continue
+            r = _partial_read(inner, inner.params.get(j, ""), comps, depth + 1)
+            if r is None:
+                return None
+            total += r
+    return total
+
+
+def _fusion_reads(inst: Inst, fused: Computation | None, shapes: dict[str, str],
+                  comps: dict[str, Computation] | None = None) -> float:
     """HBM bytes a fusion reads from its operands."""
     total = 0.0
     if fused is None:
@@ -195,12 +226,10 @@ def _fusion_reads(inst: Inst, fused: Computation | None, shapes: dict[str, str])
             continue
         pname = fused.params.get(j)
         us = users.get(pname, []) if pname else []
-        if us and all(u.op in _PARTIAL_READS and u.operands[0] == pname for u in us):
-            total += sum(sum(b for b, _ in arrays(u.shape)) for u in us)
-        elif us and all(u.op in _IN_PLACE and u.operands[0] == pname for u in us):
+        if us and all(u.op in _IN_PLACE and u.operands[0] == pname for u in us):
             continue  # updated in place: the write is counted, the rest is not read
-        else:
-            total += full
+        part = _partial_read(fused, pname, comps or {}) if pname else None
+        total += full if part is None else min(part, full)
     return total
 
 
@@ -215,6 +244,23 @@ def _fusion_writes(inst: Inst, fused: Computation | None) -> float:
     return out
 
 
+def trip_count(cond: Computation | None) -> int | None:
+    """The static trip count of a ``while`` whose condition is a counted loop's (``lax.scan``,
+    ``fori_loop`` with static bounds: ROOT ``compare(get-tuple-element(param, i), constant N),
+    direction=LT``; JAX starts the counter at 0), else None."""
+    if cond is None or not cond.insts:
+        return None
+    root = cond.insts[-1]
+    if root.op != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
+        return None
+    by = cond.by_name()
+    counter, bound = (by.get(o) for o in root.operands)
+    if counter is None or bound is None or counter.op != "get-tuple-element" or bound.op != "constant":
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*", bound.args)
+    return int(m.group(1)) if m else None
+
+
 def _count(comp: Computation, comps: dict[str, Computation], shapes: dict[str, str], seen: set) -> float:
     total = 0.0
     for inst in comp.insts:
@@ -224,9 +270,10 @@ def _count(comp: Computation, comps: dict[str, Computation], shapes: dict[str, s
         if op == "while":
             body = comps.get(_called(inst, "body") or "")
             cond = comps.get(_called(inst, "condition") or "")
+            trips = trip_count(cond) or 1
             for c in (body, cond):
                 if c is not None and c.name not in seen:
-                    total += _count(c, comps, shapes, seen | {c.name})
+                    total += trips * _count(c, comps, shapes, seen | {c.name})
             continue
         if op in ("call", "conditional"):
             for c in re.findall(r"%([^\s,}]+)", inst.attrs):
@@ -235,7 +282,7 @@ def _count(comp: Computation, comps: dict[str, Computation], shapes: dict[str, s
             continue
         if op == "fusion":
             fused = comps.get(_called(inst, "calls") or "")
-            total += _fusion_reads(inst, fused, shapes) + _fusion_writes(inst, fused)
+            total += _fusion_reads(inst, fused, shapes, comps) + _fusion_writes(inst, fused)
             continue
         if op in _IN_PLACE:
             j = _IN_PLACE[op]

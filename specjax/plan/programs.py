@@ -34,7 +34,7 @@ from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
 from specjax.models.drafts.load import build_draft
 from specjax.models.layers import first_argmax
-from specjax.models.target import KVCache, build_model
+from specjax.models.target import KVCache, build_model, layer_scan
 from specjax.train.algorithms.base import trainable_filter_for
 from specjax.train.draft_doc import draft_config_doc
 from specjax.train.hidden_states import DTYPES, cache_layer_ids, default_aux_layer_ids, make_tap_fn
@@ -62,6 +62,9 @@ class Program:
     shape: dict
     lower: Callable
     step_lower: Callable | None = None
+    # the same program with the target's layers unrolled, compiled only for its cost analysis when
+    # the program scanned them (``cost_analysis`` and the kernels' flop records count a body once)
+    cost_lower: Callable | None = None
     tokens: int = 0
     resident_bytes: int = 0
     notes: list = field(default_factory=list)
@@ -171,10 +174,13 @@ def train_program(p: PlanInputs, online: bool = False) -> Program:
     N, T = _rows(p, "train"), int(p.seq or cfg.data.total_seq_len)
     H, A = p.target.hidden_size, len(_aux_ids(p))
     hs_dt = jnp.dtype(cfg.data.hidden_states_dtype)
-    target = None
-    if online:  # the target row is the draft row's length (rows not trimmed by data.max_context_tokens)
-        target = OnlineTarget.of(abstract_target(p), cache_layer_ids(_aux_ids(p), p.target.num_hidden_layers), hs_dt)
-    fns = make_step_fns(graphdef, frozen_a, tx, cfg, sh, target)
+    taps = cache_layer_ids(_aux_ids(p), p.target.num_hidden_layers)
+
+    def build():
+        # online: the target row is the draft row's length (rows not trimmed by data.max_context_tokens)
+        target = OnlineTarget.of(abstract_target(p), taps, hs_dt) if online else None
+        fns = make_step_fns(graphdef, frozen_a, tx, cfg, sh, target)
+        return lambda: fns.lower_train(params_a, opt_a, batch)
 
     shapes = {"hidden_states": ((N, T, A * H), hs_dt), "verifier_last_hidden_states": ((N, T, H), hs_dt)}
     batch = {}
@@ -194,11 +200,19 @@ def train_program(p: PlanInputs, online: bool = False) -> Program:
              ["nothing resident beside the step: no target weights, frozen tensors once (compute dtype)"])
     return Program("train-online" if online else "train", {"rows": N, "seq": T, "algorithm": cfg.speculator_type,
                                                            "optimizer": o.optimizer},
-                   lambda: fns.lower_train(params_a, opt_a, batch), tokens=N * T, resident_bytes=0, kernel_passes=4.5,
-                   notes=notes)
+                   build(), tokens=N * T, resident_bytes=0, kernel_passes=4.5, notes=notes,
+                   cost_lower=_unrolled(build) if online else None)
 
 
 # ----------------------------------------------------------------------------- extract
+
+
+def _unrolled(build: Callable) -> Callable:
+    """``build()`` (a fresh jit, so no trace is shared) lowered with the target's layers unrolled."""
+    def lower():
+        with layer_scan(False):
+            return build()()
+    return lower
 
 
 def extract_program(p: PlanInputs) -> Program:
@@ -206,9 +220,14 @@ def extract_program(p: PlanInputs) -> Program:
     n = p.target.num_hidden_layers
     layer_ids = cache_layer_ids(_aux_ids(p), n)
     B, T = _rows(p, "extract"), int(p.seq or p.cfg.data.total_seq_len)
-    fn = make_tap_fn(abstract_target(p), layer_ids, jnp.dtype(DTYPES[p.cfg.data.hidden_states_dtype]), p.mesh)
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
-    return Program("extract", {"rows": B, "seq": T, "layers": len(layer_ids)}, lambda: fn.lower(ids), tokens=B * T)
+
+    def build():
+        fn = make_tap_fn(abstract_target(p), layer_ids, jnp.dtype(DTYPES[p.cfg.data.hidden_states_dtype]), p.mesh)
+        return lambda: fn.lower(ids)
+
+    return Program("extract", {"rows": B, "seq": T, "layers": len(layer_ids)}, build(), tokens=B * T,
+                   cost_lower=_unrolled(build))
 
 
 # ----------------------------------------------------------------------------- decode
