@@ -64,6 +64,14 @@ def _default(ctx: typer.Context,
              show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                                help="print `specjax <version>` and exit")):
     """With no subcommand, run on the embedded default model (SmolLM2-135M-Instruct)."""
+    from specjax import placement
+
+    try:
+        placement.scan_env()  # a bad SPECJAX_SCAN_LAYERS is a message now, not a traceback mid-run
+    except ValueError as e:
+        from specjax.commands.common import fail
+
+        fail(e)
     if ctx.invoked_subcommand is not None:
         return
     from specjax.commands.common import console

@@ -128,3 +128,19 @@ def building_for(where: Any) -> Iterator[str]:
     finally:
         _MESH.reset(mtoken)
         _PLATFORM.reset(token)
+
+
+SCAN_SETTINGS = ("off", "on", "auto")
+_SCAN_WORDS = {"0": "off", "false": "off", "no": "off", "off": "off", "1": "on", "true": "on", "yes": "on", "on": "on",
+               "auto": "auto"}
+
+
+def scan_env() -> str:
+    """``SPECJAX_SCAN_LAYERS`` as ``"off"`` (unset), ``"on"`` or ``"auto"`` (see
+    :func:`specjax.models.target.scan_layers_on`); ValueError names any other value."""
+    import os
+
+    env = os.environ.get("SPECJAX_SCAN_LAYERS", "").strip().lower()
+    if env and env not in _SCAN_WORDS:
+        raise ValueError(f"SPECJAX_SCAN_LAYERS={env!r}: expected one of 0, 1, auto")
+    return _SCAN_WORDS.get(env, "off")

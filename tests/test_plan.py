@@ -167,6 +167,18 @@ def test_cli_bad_topology_is_an_error():
     assert "v9x:2x4" in res.output and "v5e" in res.output
 
 
+def test_cli_bad_scan_layer_settings_are_errors(monkeypatch):
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    res = CliRunner().invoke(app, ["plan", "--config", str(RECIPE), "--topology", "v5e:2x4", "--scan-layers", "some"])
+    assert res.exit_code == 2 and "--scan-layers 'some'" in res.output and "auto" in res.output
+    monkeypatch.setenv("SPECJAX_SCAN_LAYERS", "maybe")
+    res = CliRunner().invoke(app, ["plan", "--config", str(RECIPE), "--topology", "v5e:2x4"])
+    assert res.exit_code == 2 and "SPECJAX_SCAN_LAYERS='maybe'" in res.output
+
+
 # ----------------------------------------------------------------------------- backend by placement
 
 
@@ -305,7 +317,8 @@ def test_tree_round_compiles_on_v5e(cfg, v5e):
 
 
 def test_extraction_scans_its_layers_on_tpu_and_counts_every_iteration(cfg):
-    """A TPU extraction of a 4-layer target (8B widths, taps 0, 1 and the last) at 4096 tokens, where
+    """With ``SPECJAX_SCAN_LAYERS=auto`` (``plan --scan-layers auto``), a TPU extraction of a 4-layer
+    target (8B widths, taps 0, 1 and the last) at 4096 tokens, where
     a layer's float32 residual stream per chip (67 MB) outweighs its weights per chip (55 MB under
     tensor=8), runs layers 1-3 as one ``lax.scan``: its temporaries stay below the unrolled
     program's (one layer's activations live at a time), its flops are the unrolled twin's, and its
@@ -313,9 +326,9 @@ def test_extraction_scans_its_layers_on_tpu_and_counts_every_iteration(cfg):
     unrolled program's order (1.01 GB against 1.38 GB here: the unrolled program writes and reads
     more float32 temporaries; at 32 layers and 8192 tokens 33.8 against 33.5 GB)."""
     four = {"num_hidden_layers": 4}
-    (s,) = plan(cfg, "v5e:2x4", programs="extract", target_overrides=four, seq=4096)
-    with layer_scan(False):
-        (u,) = plan(cfg, "v5e:2x4", programs="extract", target_overrides=four, seq=4096)
+    with layer_scan("auto"):
+        (s,) = plan(cfg, "v5e:2x4", programs="extract", target_overrides=four, seq=4096)
+    (u,) = plan(cfg, "v5e:2x4", programs="extract", target_overrides=four, seq=4096)  # the default: unrolled
     for r in (s, u):
         assert r.compiled and r.fits, r.error
     assert s.cost_compile_s is not None and u.cost_compile_s is None

@@ -38,23 +38,32 @@ def plan_cmd(
                                               "hub id (default: the recipe's target)"),
     layers: Optional[int] = typer.Option(None, "--layers", min=1, help="scale the target down to this many layers"),
     overrides: List[str] = typer.Option([], "--set", help="recipe override KEY=VALUE (repeatable)"),
+    scan_layers: Optional[str] = typer.Option(None, "--scan-layers",
+                                              help="target forwards without a KV cache (extract, train-online): off "
+                                              "(unrolled layers), on (lax.scan) or auto (scan where a layer's "
+                                              "residual stream outweighs its weights per chip); default "
+                                              "$SPECJAX_SCAN_LAYERS, else off"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON list of objects"),
 ):
     """Compile the recipe's programs for a TPU topology without a TPU (libtpu: pip install
     "specjax[tpu]") and report per chip: memory vs HBM, flops, bytes, roofline, collectives."""
     from bridge.errors import BridgeError
+    from specjax.models.target import SCAN_SETTINGS, layer_scan, scan_setting
     from specjax.plan import PlanError, TopologyError, plan
     from specjax.sharding.errors import ShardingError
     from specjax.train.config import load_recipe
     from specjax.train.errors import TrainError
 
     c = console()
+    if scan_layers is not None and scan_layers not in SCAN_SETTINGS:
+        fail(ValueError(f"--scan-layers {scan_layers!r}: expected one of {', '.join(SCAN_SETTINGS)}"))
     try:
         cfg = load_recipe(config, list(overrides))
-        rows = plan(cfg, topology, mesh=mesh, programs=programs, target=target,
-                    target_overrides=None if layers is None else {"num_hidden_layers": layers}, batch=batch, seq=seq,
-                    prompt_len=prompt_len, new_tokens=new_tokens, k=k, tree=tree,
-                    on_report=None if as_json else lambda r: c.print(_line(r)))
+        with layer_scan(scan_layers or scan_setting()):
+            rows = plan(cfg, topology, mesh=mesh, programs=programs, target=target,
+                        target_overrides=None if layers is None else {"num_hidden_layers": layers}, batch=batch,
+                        seq=seq, prompt_len=prompt_len, new_tokens=new_tokens, k=k, tree=tree,
+                        on_report=None if as_json else lambda r: c.print(_line(r)))
     except (PlanError, TopologyError, ShardingError, TrainError, BridgeError) as e:
         fail(e)
     if as_json:

@@ -59,29 +59,42 @@ def test_layer_runs_start_at_taps_and_window_changes():
     assert layer_runs(32, (2, 16, 29), [None] * 32) == [(0, 2), (2, 16), (16, 29), (29, 32)]
 
 
-def test_scan_is_chosen_by_the_program_platform_not_the_process():
+def test_scan_setting_default_env_and_platform(monkeypatch):
+    monkeypatch.delenv("SPECJAX_SCAN_LAYERS", raising=False)
     assert placement.platform() == "cpu" and scan_layers_on() is False
     with placement.building_for("tpu"):
-        assert scan_layers_on() is None  # where it pays
+        assert scan_layers_on() is False  # off unless asked
+        monkeypatch.setenv("SPECJAX_SCAN_LAYERS", "auto")
+        assert scan_layers_on() is None  # where it pays, decided per forward
         with layer_scan(False):
             assert scan_layers_on() is False
-    with layer_scan(True):
-        assert scan_layers_on() is True
+    assert scan_layers_on() is False  # auto on the CPU: never
+    monkeypatch.setenv("SPECJAX_SCAN_LAYERS", "1")
+    assert scan_layers_on() is True
+    monkeypatch.setenv("SPECJAX_SCAN_LAYERS", "sometimes")
+    with pytest.raises(ValueError, match="SPECJAX_SCAN_LAYERS='sometimes'"):
+        scan_layers_on()
+    with pytest.raises(ValueError, match="expected one of"):
+        with layer_scan("maybe"):
+            pass
 
 
-def test_a_tpu_forward_scans_where_the_residual_stream_outweighs_the_weights():
+def test_auto_scans_a_tpu_forward_where_the_residual_stream_outweighs_the_weights():
     """Per chip: a layer here holds 4 * (32*32 + 2*32*16 + 32*32) + 3 * 4 * 32*48 + 2 * 4 * 32 = 30,976
     bytes of float32 weights; a [B, T, 32] float32 residual stream outweighs them from B*T = 242."""
     model = tiny()
     x = jnp.zeros((2, 121, 32))
     assert sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(nnx.state(model.model.layers[0], nnx.Param))) \
         == 30_976
-    with placement.building_for("tpu"):
+    with placement.building_for("tpu"), layer_scan("auto"):
         assert use_layer_scan(model.model.layers, x)
         assert not use_layer_scan(model.model.layers, x[:, :120])
+    with placement.building_for("tpu"):
+        assert not use_layer_scan(model.model.layers, x)  # the default: off
         with layer_scan(True):
             assert use_layer_scan(model.model.layers, x[:, :8])
-    assert not use_layer_scan(model.model.layers, x)  # the CPU unrolls
+    with layer_scan("auto"):
+        assert not use_layer_scan(model.model.layers, x)  # the CPU unrolls
 
 
 @pytest.mark.parametrize("taps", TAPS)
