@@ -321,18 +321,22 @@ def test_extraction_scans_its_layers_on_tpu_and_counts_every_iteration(cfg):
     target (8B widths, taps 0, 1 and the last) at 4096 tokens, where
     a layer's float32 residual stream per chip (67 MB) outweighs its weights per chip (55 MB under
     tensor=8), runs layers 1-3 as one ``lax.scan``: its temporaries stay below the unrolled
-    program's (one layer's activations live at a time), its flops are the unrolled twin's, and its
-    HBM bytes, each loop body counted per iteration (``tests/test_plan_hbm.py``), are of the
-    unrolled program's order (1.01 GB against 1.38 GB here: the unrolled program writes and reads
-    more float32 temporaries; at 32 layers and 8192 tokens 33.8 against 33.5 GB)."""
+    program's (one layer's activations live at a time), its flops are the unrolled twin's (all
+    four layers), and its HBM bytes, each loop body counted per iteration
+    (``tests/test_plan_hbm.py``), are of the unrolled program's order (1.01 GB against 1.38 GB here:
+    the unrolled program writes and reads more float32 temporaries; at 32 layers and 8192 tokens
+    33.8 against 33.5 GB)."""
     four = {"num_hidden_layers": 4}
     with layer_scan("auto"):
         (s,) = plan(cfg, "v5e:2x4", programs="extract", target_overrides=four, seq=4096)
-    (u,) = plan(cfg, "v5e:2x4", programs="extract", target_overrides=four, seq=4096)  # the default: unrolled
-    for r in (s, u):
-        assert r.compiled and r.fits, r.error
-    assert s.cost_compile_s is not None and u.cost_compile_s is None
-    assert any("layers scanned" in n for n in s.notes)
-    assert s.flops == u.flops and s.kernel_flops == u.kernel_flops and s.collectives == u.collectives
-    assert s.temp_gib < u.temp_gib, (s.temp_gib, u.temp_gib)
-    assert 0.6 < s.hbm_bytes / u.hbm_bytes < 1.15, (s.hbm_bytes, u.hbm_bytes)
+    assert s.compiled and s.fits, s.error
+    assert s.cost_compile_s is not None and any("layers scanned" in n for n in s.notes)
+    # the unrolled twin (what the default compiles) reports what unrolling takes
+    assert s.peak_gib < s.unrolled_peak_gib, (s.peak_gib, s.unrolled_peak_gib)
+    assert 0.6 < s.hbm_bytes / s.unrolled_hbm_bytes < 1.15, (s.hbm_bytes, s.unrolled_hbm_bytes)
+    # the flops are the twin's: every layer's matmuls and its flash kernel (a traced call per layer)
+    H, T, I, kv = 4096, 4096, 14336, 1024
+    layer_matmuls = 2 * T * (H * (H + 2 * kv) + H * H + 3 * H * I) / 8  # per chip under tensor=8
+    assert s.flops > 4 * layer_matmuls
+    # 4 layers x 4 query heads per chip x 36 causal 512 x 512 blocks x 2 matmuls (QK^T, PV) of 128 dims
+    assert s.kernel_flops == 4 * 4 * 36 * 2 * 512 * 512 * 128 * 2

@@ -82,10 +82,13 @@ def _line(r) -> str:
     return (f"[bold]{r.program}[/bold] {shape}\n"
             f"  memory/chip: args {r.argument_gib:.2f} + out {r.output_gib:.2f} - alias {r.alias_gib:.2f} + temp "
             f"{r.temp_gib:.2f} + code {r.code_gib:.2f} = peak {r.peak_gib:.2f} GiB (+ resident {r.resident_gib:.2f}) "
-            f"of {r.hbm_gib:g}: {fit}, headroom {r.headroom_pct:.1f}%\n"
-            f"  per {r.per}: {r.flops:.3g} flop"
+            f"of {r.hbm_gib:g}: {fit}, headroom {r.headroom_pct:.1f}%"
+            + (f" (layers scanned; unrolled: peak {r.unrolled_peak_gib:.2f} GiB, {r.unrolled_hbm_bytes:.3g} B of HBM "
+               f"traffic)" if r.unrolled_peak_gib is not None else "")
+            + f"\n  per {r.per}: {r.flops:.3g} flop"
             + (f" ({r.kernel_flops:.3g} in flash attention)" if r.kernel_flops else "")
             + f", {r.hbm_bytes:.3g} B of HBM traffic (XLA's count {r.bytes:.3g}) -> roofline {r.roofline_ms:.3f} ms ({r.bound}-bound), "
             f"{r.tok_per_s:,.0f} tok/s ceiling, MFU ceiling {r.mfu_ceiling:.2f}\n"
             f"  collectives: {coll}; compile {r.compile_s:.1f} s"
-            + (f" + step {r.step_compile_s:.1f} s" if r.step_compile_s is not None else ""))
+            + (f" + step {r.step_compile_s:.1f} s" if r.step_compile_s is not None else "")
+            + (f" + unrolled twin {r.cost_compile_s:.1f} s" if r.cost_compile_s is not None else ""))

@@ -80,6 +80,8 @@ class ProgramReport:
     compile_s: float = 0.0
     step_compile_s: float | None = None
     cost_compile_s: float | None = None  # the unrolled twin of a layer-scanning program (flops, bytes)
+    unrolled_peak_gib: float | None = None  # that twin's peak and HBM bytes: what unrolling would take
+    unrolled_hbm_bytes: float | None = None
     notes: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -184,7 +186,12 @@ def analyse(prog, *, topology: str, mesh_desc: str, chip: Chip, with_step: bool 
                              f"layer body once")
         else:
             cost_of, kernels = twin, tkernels
-            coll, _ = count_ops(twin.as_text())
+            ttext = twin.as_text()
+            coll, _ = count_ops(ttext)
+            tm = twin.memory_analysis()
+            tpeak = (tm.argument_size_in_bytes + tm.output_size_in_bytes - tm.alias_size_in_bytes
+                     + tm.temp_size_in_bytes + tm.generated_code_size_in_bytes)
+            rep.unrolled_peak_gib, rep.unrolled_hbm_bytes = round(tpeak / GIB, 3), hbm.hbm_bytes(ttext)
             rep.notes.append("layers scanned: flops, bytes and collectives of the same program unrolled; hbm_bytes "
                              "counts each loop body times its trip count")
     rep.collectives = coll
