@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from typing import NamedTuple, Sequence
 
 import jax
@@ -190,9 +189,7 @@ class CausalLM(nnx.Module):
             for i, layer in enumerate(self.model.layers):
                 if i in taps:
                     aux[i] = x
-                ck = cv = None
-                if cache is not None:
-                    ck, cv = cache.k[i], cache.v[i]
+                ck, cv = (None, None) if cache is None else (cache.k[i], cache.v[i])
                 x, k, v = _layer_step(layer, x, cos, sin, mode, ck, cv)
                 if cache is not None:
                     new_k.append(k)
@@ -220,7 +217,7 @@ def scan_layers_on() -> bool | None:
     """Whether target forwards without a KV cache run their layers under ``lax.scan`` (one compiled
     layer body per run of alike layers; each run's weights are stacked into one transient copy)
     instead of unrolled: True (``on``), False (``off``, the default: the CPU's native kernels run
-    per layer, and on v6e the unrolled extraction moves 10-17 % fewer HBM bytes), or None
+    per layer, and on v6e the unrolled extraction moves 10-20 % fewer HBM bytes), or None
     (``auto`` in a program built for a TPU or a GPU: scan where a layer's float32 residual stream
     per chip outweighs its weights per chip, :func:`_scan_pays`; on v5e-8 that halves an 8192-token
     Llama-3.1-8B extraction's peak memory and quarters the temporaries at 16384)."""

@@ -312,8 +312,9 @@ def _count(comp: Computation, comps: dict[str, Computation], shapes: dict[str, s
 
 
 def hbm_bytes(hlo: str) -> float:
-    """Bytes a compiled program moves to and from HBM per run (its entry computation; loop bodies
-    once), from its optimised HLO text (``compiled.as_text()``)."""
+    """Bytes a compiled program moves to and from HBM per run (its entry computation; a counted
+    loop's body per iteration, any other loop's once), from its optimised HLO text
+    (``compiled.as_text()``)."""
     comps = parse(hlo)
     entry = next((c for c in comps.values() if c.entry), None)
     if entry is None:

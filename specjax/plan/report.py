@@ -107,6 +107,12 @@ def _cost(compiled) -> tuple[float, float]:
     return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
 
 
+def _peak_bytes(m) -> int:
+    """Peak bytes per chip of a ``memory_analysis``: arguments + outputs - aliased + temporaries + code."""
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+            + m.generated_code_size_in_bytes)
+
+
 def _compile(lower) -> tuple[object | None, float, str | None, list]:
     """(compiled or None, seconds, error, the flash-attention calls traced: their flop records)."""
     t0 = time.perf_counter()
@@ -150,7 +156,7 @@ def analyse(prog, *, topology: str, mesh_desc: str, chip: Chip, with_step: bool 
     m = compiled.memory_analysis()
     arg, out, alias = m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes
     temp, code = m.temp_size_in_bytes, m.generated_code_size_in_bytes
-    peak = arg + out - alias + temp + code
+    peak = _peak_bytes(m)
     rep.argument_gib, rep.output_gib, rep.alias_gib = (round(x / GIB, 3) for x in (arg, out, alias))
     rep.temp_gib, rep.code_gib, rep.peak_gib = (round(x / GIB, 3) for x in (temp, code, peak))
     total = peak + prog.resident_bytes
@@ -188,10 +194,8 @@ def analyse(prog, *, topology: str, mesh_desc: str, chip: Chip, with_step: bool 
             cost_of, kernels = twin, tkernels
             ttext = twin.as_text()
             coll, _ = count_ops(ttext)
-            tm = twin.memory_analysis()
-            tpeak = (tm.argument_size_in_bytes + tm.output_size_in_bytes - tm.alias_size_in_bytes
-                     + tm.temp_size_in_bytes + tm.generated_code_size_in_bytes)
-            rep.unrolled_peak_gib, rep.unrolled_hbm_bytes = round(tpeak / GIB, 3), hbm.hbm_bytes(ttext)
+            rep.unrolled_peak_gib = round(_peak_bytes(twin.memory_analysis()) / GIB, 3)
+            rep.unrolled_hbm_bytes = hbm.hbm_bytes(ttext)
             rep.notes.append("layers scanned: flops, bytes and collectives of the same program unrolled; hbm_bytes "
                              "counts each loop body times its trip count")
     rep.collectives = coll
