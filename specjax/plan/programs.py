@@ -201,14 +201,15 @@ def train_program(p: PlanInputs, online: bool = False) -> Program:
     return Program("train-online" if online else "train", {"rows": N, "seq": T, "algorithm": cfg.speculator_type,
                                                            "optimizer": o.optimizer},
                    build(), tokens=N * T, resident_bytes=0, kernel_passes=4.5, notes=notes,
-                   cost_lower=_unrolled(build) if online else None)
+                   cost_lower=_unrolled(build))
 
 
 # ----------------------------------------------------------------------------- extract
 
 
 def _unrolled(build: Callable) -> Callable:
-    """``build()`` (a fresh jit, so no trace is shared) lowered with the target's layers unrolled."""
+    """``build()`` (a fresh jit, so no trace is shared) lowered with the layers unrolled (the target's,
+    and a multi-layer draft's); compiled only when the program itself scanned."""
     def lower():
         with layer_scan(False):
             return build()()

@@ -41,6 +41,22 @@ from specjax.models.drafts.verifier_weights import VerifierFill
 from specjax.models.drafts.vocab import draft_to_target
 from specjax.models.layers import RMSNorm, attend, dense
 from specjax.models.rope import apply_rope, rope_cos_sin
+from specjax.models.target import draft_layer_scan, layer_runs, log_layer_scan, scan_run
+
+
+def _block_layer(layer, noise, kc, vc, qcos, qsin, m, pallas: bool):
+    """One layer over block states ``noise`` [B, Q, H]: the blocks attend to the context K/V
+    ``kc``/``vc`` and to their own projections under mask ``m``."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(noise)
+    q = apply_rope(attn.project_q(x), qcos, qsin)
+    kn, vn = attn.project_kv(x)
+    kn = apply_rope(kn, qcos, qsin)
+    k = jnp.concatenate([kc.astype(kn.dtype), kn], axis=1)
+    v = jnp.concatenate([vc.astype(vn.dtype), vn], axis=1)
+    o = (kt.tpu_attention(q, k, v, mask_spec=kt.dense(m), scale=attn.scaling) if pallas
+         else attend(q, k, v, m, scale=attn.scaling))
+    return mlp_block(layer, noise + attn.output(o))
 
 
 class DFlashOutput(NamedTuple):
@@ -122,16 +138,29 @@ class DFlashDraft(TargetTaps, nnx.Module):
         TPU program the (runtime) masks go to the flash kernel's dense-mask path."""
         pallas = kt.attention_impl() == "pallas"
         for layer, (kc, vc), m in zip(self.layers, ctx_kvs, masks):
-            attn = layer.self_attn
-            x = layer.input_layernorm(noise)
-            q = apply_rope(attn.project_q(x), qcos, qsin)
-            kn, vn = attn.project_kv(x)
-            kn = apply_rope(kn, qcos, qsin)
-            k = jnp.concatenate([kc.astype(kn.dtype), kn], axis=1)
-            v = jnp.concatenate([vc.astype(vn.dtype), vn], axis=1)
-            o = (kt.tpu_attention(q, k, v, mask_spec=kt.dense(m), scale=attn.scaling) if pallas
-                 else attend(q, k, v, m, scale=attn.scaling))
-            noise = mlp_block(layer, noise + attn.output(o))
+            noise = _block_layer(layer, noise, kc, vc, qcos, qsin, m, pallas)
+        return self.norm(noise)
+
+    def _train_blocks(self, noise, ctx, ccos, csin, qcos, qsin, masks_by_window):
+        """The training forward's layers: each layer projects the shared context to its K/V and runs
+        the blocks against them. Unrolled (:meth:`_blocks`), or, where the layer scan is on
+        (:func:`specjax.models.target.draft_layer_scan`), each run of alike layers (same sliding
+        window) under one ``lax.scan``: one compiled layer body for a run (the same math per layer)."""
+        windows = self.spec.windows
+        if not draft_layer_scan(len(self.layers)):
+            ctx_kvs = [self.ctx_kv(layer, ctx, ccos, csin) for layer in self.layers]
+            return self._blocks(noise, qcos, qsin, ctx_kvs, [masks_by_window[w] for w in windows])
+        pallas = kt.attention_impl() == "pallas"
+        runs = layer_runs(len(self.layers), (), windows)
+        log_layer_scan(runs)
+        for a, b in runs:
+            m = masks_by_window[windows[a]]
+
+            def step(layer, h, m=m):
+                kc, vc = self.ctx_kv(layer, ctx, ccos, csin)
+                return _block_layer(layer, h, kc, vc, qcos, qsin, m, pallas)
+
+            noise = scan_run(self.layers, a, b, noise, step)
         return self.norm(noise)
 
     def targets(self, verifier_last_hidden_states):
@@ -168,8 +197,7 @@ class DFlashDraft(TargetTaps, nnx.Module):
         qcos, qsin = rope_cos_sin(qpos, self.spec.rope, dtype=ctx.dtype)
         mk = {w: block_mask(document_ids, anchors, Bk, window=w, non_causal=self.non_causal)
               for w in self.spec.distinct_windows}
-        ctx_kvs = [self.ctx_kv(layer, ctx, ccos, csin) for layer in self.layers]
-        hidden = self._blocks(noise, qcos, qsin, ctx_kvs, [mk[w] for w in self.spec.windows])
+        hidden = self._train_blocks(noise, ctx, ccos, csin, qcos, qsin, mk)
         logits = self.lm_head(hidden)
         targets = None
         if verifier_last_hidden_states is not None:
