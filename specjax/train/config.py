@@ -120,6 +120,10 @@ class DataArgs(_Section):
                                            "before each row's first supervised token (the rest of the prompt is "
                                            "dropped from the training row: its cost goes to more answers); "
                                            "validation keeps whole rows")
+    context_loss: bool = Field(False, description="with max_context_tokens: also supervise the prompt positions a "
+                               "training row keeps (KL to the target's distribution there, as prompt_loss does for "
+                               "whole prompts): more supervised tokens at no extra step cost; validation keeps the "
+                               "assistant-only mask")
     noise_std: float = Field(0.0, ge=0.0, description="add U(-noise_std, noise_std) to the auxiliary hidden states "
                              "of training batches (EAGLE's feature augmentation; speculators' snapshot default "
                              "0.05, removed in 0.9.0); validation sees them unchanged")
@@ -246,6 +250,9 @@ class TrainConfig(_Section):
         parse_loss_spec(self.loss.loss_fn)
         if d.norm_before_fc and d.fc_norm:
             raise ValueError("draft.norm_before_fc and draft.fc_norm are mutually exclusive")
+        if self.data.context_loss and (self.data.max_context_tokens is None or self.data.prompt_loss):
+            raise ValueError("data.context_loss supervises the prompt positions data.max_context_tokens keeps: it needs "
+                             "max_context_tokens and no data.prompt_loss (which supervises whole prompts)")
         algo.validate(self)
         if d.full_attention_indices and (min(d.full_attention_indices) < 0
                                          or max(d.full_attention_indices) >= d.num_layers):

@@ -23,7 +23,7 @@ class TrainData:
 
     def __init__(self, data_dir: str | os.PathLike, rows, indices, *, algo: str, num_aux: int, hidden_size: int,
                  total_seq_len: int, seed: int, replicas: int = 1, prompt_loss: bool = False, online=None,
-                 max_context_tokens: int | None = None):
+                 max_context_tokens: int | None = None, context_loss: bool = False):
         self.dir = Path(data_dir)
         self.online = bool(online)  # hidden states from the target inside the step (specjax.train.online)
         self.target_lengths: set[int] = set()  # online: the target-row lengths built (one step compile each)
@@ -39,6 +39,8 @@ class TrainData:
         self.prompt_loss = bool(prompt_loss)  # every position supervised (the targets are the target's logits)
         # at most this many unsupervised positions kept before a row's first supervised one (None: all)
         self.context = None if prompt_loss or max_context_tokens is None else int(max_context_tokens)
+        # every position a trimmed row keeps is supervised (its kept prompt tail too)
+        self.context_loss = bool(context_loss) and self.context is not None
         self._starts: dict[int, int] = {}
         self._epochs: dict[int, list[np.ndarray]] = {}
         self._steps: dict[int, list[tuple[np.ndarray, ...]]] = {}
@@ -99,7 +101,8 @@ class TrainData:
                 raise HiddenStateCacheError(f"token ids of hs_{i} do not match dataset row {i}", path=str(p),
                                             key="token_ids")
         T = hs.shape[0]
-        mask = np.ones(T, np.int64) if self.prompt_loss else np.asarray(self.rows.loss_mask[i], np.int64)
+        mask = (np.ones(T, np.int64) if self.prompt_loss or self.context_loss
+                else np.asarray(self.rows.loss_mask[i], np.int64))
         a = self.start(i)
         return {"hidden_states": hs[a:, :-1].reshape(T - a, -1), "input_ids": np.asarray(ids[a:], np.int64),
                 "verifier_last_hidden_states": hs[a:, -1], "loss_mask": mask[a:],

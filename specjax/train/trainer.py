@@ -199,7 +199,8 @@ class Run:
                   total_seq_len=cfg.data.total_seq_len, seed=cfg.seed, online=self.online)
         self.train_data = TrainData(ddir, rows, tr, replicas=self.replicas,
                                     prompt_loss=cfg.data.prompt_loss,
-                                    max_context_tokens=cfg.data.max_context_tokens, **mk)
+                                    max_context_tokens=cfg.data.max_context_tokens,
+                                    context_loss=cfg.data.context_loss, **mk)
         self.val_data = TrainData(ddir, rows, va, **mk) if len(va) else None  # packed as on one device
         return tr
 

@@ -514,3 +514,13 @@ def test_max_context_tokens_keeps_every_supervised_position(tiny_data, context):
     # prompt_loss supervises the prompt itself: nothing is cut
     full = TrainData(tiny_data, rows, range(len(rows)), max_context_tokens=context, prompt_loss=True, **mk)
     assert all(full.length(i) == len(rows.input_ids[i]) for i in range(len(rows)))
+    # context_loss: the same cut rows, every kept position supervised (the kept prompt tail too)
+    kept = TrainData(tiny_data, rows, range(len(rows)), max_context_tokens=context, context_loss=True, **mk)
+    for i in range(len(rows)):
+        b, c = cut.sample(i), kept.sample(i)
+        assert kept.length(i) == cut.length(i)
+        assert c["loss_mask"].tolist() == [1] * len(b["input_ids"])
+        assert c["loss_mask"].sum() - b["loss_mask"].sum() == min(int(np.flatnonzero(b["loss_mask"])[0]), context)
+        for k in b:
+            if k != "loss_mask":
+                np.testing.assert_array_equal(c[k], b[k], err_msg=k)

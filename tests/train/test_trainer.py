@@ -176,6 +176,24 @@ def test_prompt_loss_supervises_every_training_position_only(tmp_path, tiny_data
     np.testing.assert_array_equal(run.val_data.sample(j)["loss_mask"], plain.val_data.sample(j)["loss_mask"])
 
 
+def test_context_loss_supervises_the_kept_prompt_tail_and_needs_max_context_tokens(tmp_path, tiny_data, tiny_target):
+    """``data.context_loss`` with ``data.max_context_tokens``: a training row keeps the same positions
+    and supervises all of them; validation keeps the assistant-only mask. Without
+    max_context_tokens (or with prompt_loss) the recipe is refused, naming the keys."""
+    cut = Run(recipe(tiny_data, tmp_path / "a", "data.max_context_tokens=2"), target=tiny_target, progress=False)
+    run = Run(recipe(tiny_data, tmp_path / "b", "data.max_context_tokens=2", "data.context_loss=true"),
+              target=tiny_target, progress=False)
+    i = int(run.train_data.indices[0])
+    a, b = cut.train_data.sample(i), run.train_data.sample(i)
+    assert len(b["input_ids"]) == len(a["input_ids"]) < len(run.train_data.rows.input_ids[i])
+    assert b["loss_mask"].tolist() == [1] * len(b["input_ids"]) and a["loss_mask"].sum() < len(a["loss_mask"])
+    j = int(run.val_data.indices[0])
+    np.testing.assert_array_equal(run.val_data.sample(j)["loss_mask"], cut.val_data.sample(j)["loss_mask"])
+    for extra in ([], ["data.max_context_tokens=2", "data.prompt_loss=true"]):
+        with pytest.raises(Exception, match="context_loss .*max_context_tokens"):
+            recipe(tiny_data, tmp_path / "c", "data.context_loss=true", *extra)
+
+
 def _train_steps(run_dir):
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["step"] for r in recs if r.get("split") != "val"]
