@@ -84,8 +84,19 @@ def _default(ctx: typer.Context,
         c.print(f"\n[cyan]> {prompt}[/cyan]\n{comp.text}")
 
 
-def main() -> None:  # pragma: no cover - console entry
-    app()
+def main() -> None:
+    """The console entry: a module missing from this environment (a broken or partial install) is a
+    message naming it and the environment, not a traceback."""
+    try:
+        app()
+    except ModuleNotFoundError as e:
+        import sys
+
+        name = (e.name or str(e)).split(".")[0]
+        print(f"error: the Python package {name!r} is missing from this environment ({sys.prefix}); specjax needs "
+              f"it. Reinstall specjax there (`pip install specjax`, or `bash scripts/setup.sh run` in a checkout); "
+              f"optional features name their extra ({e})", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,6 +6,7 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 import specjax
@@ -54,3 +55,20 @@ def test_compilation_cache_defaults_under_the_specjax_cache(monkeypatch, tmp_pat
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
     monkeypatch.setenv("SPECJAX_COMPILATION_CACHE", "0")
     assert use_compilation_cache() is None and "JAX_COMPILATION_CACHE_DIR" not in __import__("os").environ
+
+
+def test_a_missing_dependency_is_a_message_not_a_traceback(monkeypatch, capsys):
+    """A package gone from the environment (here gguf, which reads the embedded model) stops a
+    command with a message naming it and the environment, exit 1."""
+    import sys
+
+    from specjax import cli
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf -> ModuleNotFoundError
+    monkeypatch.setattr(sys, "argv", ["specjax", "generate", "--prompt", "hi", "--max-new-tokens", "1"])
+    with pytest.raises(SystemExit) as ex:
+        cli.main()
+    assert ex.value.code == 1
+    err = capsys.readouterr().err
+    assert "'gguf' is missing from this environment" in err and sys.prefix in err and "Traceback" not in err
+
