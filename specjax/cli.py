@@ -93,6 +93,8 @@ def main() -> None:
         import sys
 
         name = (e.name or str(e)).split(".")[0]
+        if name in ("specjax", "bridge"):  # our own module: a bug, not an install problem
+            raise
         print(f"error: the Python package {name!r} is missing from this environment ({sys.prefix}); specjax needs "
               f"it. Reinstall specjax there (`pip install specjax`, or `bash scripts/setup.sh run` in a checkout); "
               f"optional features name their extra ({e})", file=sys.stderr)

@@ -143,15 +143,12 @@ class DFlashDraft(TargetTaps, nnx.Module):
 
     def _train_blocks(self, noise, ctx, ccos, csin, qcos, qsin, masks_by_window):
         """The training forward's layers: each layer projects the shared context to its K/V and runs
-        the blocks against them. Unrolled (:meth:`_blocks`), or, where the layer scan is on
+        the blocks against them, one layer at a time, or, where the layer scan is on
         (:func:`specjax.models.target.draft_layer_scan`), each run of alike layers (same sliding
-        window) under one ``lax.scan``: one compiled layer body for a run (the same math per layer)."""
-        windows = self.spec.windows
-        if not draft_layer_scan(len(self.layers)):
-            ctx_kvs = [self.ctx_kv(layer, ctx, ccos, csin) for layer in self.layers]
-            return self._blocks(noise, qcos, qsin, ctx_kvs, [masks_by_window[w] for w in windows])
+        window) under one ``lax.scan`` (:func:`specjax.models.target.scan_run`: the same math)."""
+        windows, n = self.spec.windows, len(self.layers)
         pallas = kt.attention_impl() == "pallas"
-        runs = layer_runs(len(self.layers), (), windows)
+        runs = layer_runs(n, (), windows) if draft_layer_scan(n) else [(i, i + 1) for i in range(n)]
         log_layer_scan(runs)
         for a, b in runs:
             m = masks_by_window[windows[a]]
