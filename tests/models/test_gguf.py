@@ -135,3 +135,65 @@ def test_not_a_gguf(tmp_path):
     bad.write_bytes(b"definitely not gguf" * 10)
     with pytest.raises(GGUFError, match="not a readable GGUF"):
         load_gguf(bad, progress=False)
+
+
+def _assert_reader_equals_package(path):
+    """specjax's GGUF reader gives what ``gguf.GGUFReader`` gives: every field's contents (value and
+    Python type, in file order) and every tensor's name, type, shape, offsets and bytes."""
+    from gguf import GGUFReader
+
+    from specjax.models.gguf import FastReader
+
+    ref, got = GGUFReader(str(path)), FastReader(str(path))
+    want = {k: f.contents() for k, f in ref.fields.items()}
+    assert list(got.fields) == list(want)
+    for k, v in want.items():
+        assert got.fields[k] == v and type(got.fields[k]) is type(v), k
+        if isinstance(v, list):
+            assert [type(x) for x in got.fields[k]] == [type(x) for x in v], k
+    assert [t.name for t in got.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ref.tensors, got.tensors):
+        assert (b.tensor_type, b.n_elements, b.n_bytes, b.data_offset) == (a.tensor_type, a.n_elements, a.n_bytes,
+                                                                           a.data_offset), a.name
+        assert b.shape.dtype == a.shape.dtype and b.shape.tolist() == a.shape.tolist(), a.name
+        assert b.data.dtype == a.data.dtype and b.data.shape == a.data.shape, a.name
+        assert np.asarray(b.data).tobytes() == np.asarray(a.data).tobytes(), a.name
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1", "Q5_0"])
+def test_reader_equals_the_gguf_package(tiny_target, tmp_path, qtype):
+    from gguf import GGUFWriter
+
+    d, _ = tiny_target("llama", hidden_size=256, intermediate_size=256, head_dim=64)
+    path = write_tiny_gguf(d, tmp_path / "t.gguf", qtype=qtype)
+    _assert_reader_equals_package(path)
+    # every metadata value type, arrays of each (strings with non-ASCII text, empty arrays, nested arrays)
+    w = GGUFWriter(str(tmp_path / "meta.gguf"), "llama")
+    w.add_uint8("x.u8", 200), w.add_int8("x.i8", -5), w.add_uint16("x.u16", 60000), w.add_int16("x.i16", -300)
+    w.add_uint32("x.u32", 4_000_000_000), w.add_int32("x.i32", -7), w.add_float32("x.f32", 0.1)
+    w.add_uint64("x.u64", 2**63 + 5), w.add_int64("x.i64", -(2**40)), w.add_float64("x.f64", 1e-300)
+    w.add_bool("x.bool", True), w.add_string("x.str", "naïve Ġtoken ✓")
+    w.add_array("x.ints", [1, 2, 3]), w.add_array("x.floats", [0.5, -1.25]), w.add_array("x.bools", [True, False])
+    w.add_array("x.strs", ["a", "", "ü"]), w.add_array("x.empty", []), w.add_array("x.nested", [[1, 2], [3]])
+    w.add_uint32("general.alignment", 64)
+    w.add_tensor("a", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.add_tensor("b", np.arange(5, dtype=np.int32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    _assert_reader_equals_package(tmp_path / "meta.gguf")
+
+
+def test_reader_equals_the_gguf_package_on_smollm2(smol_dir):
+    (path,) = sorted(smol_dir.glob("*.gguf"))
+    _assert_reader_equals_package(path)
+
+
+def test_truncated_gguf_is_refused_naming_the_file(tiny_target, tmp_path):
+    d, _ = tiny_target("llama")
+    path = write_tiny_gguf(d, tmp_path / "t.gguf")
+    raw = path.read_bytes()
+    for cut in (30, len(raw) // 3, len(raw) - 8):  # inside the metadata, the tensor infos, the last tensor
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(raw[:cut])
+        with pytest.raises(GGUFError, match="not a readable GGUF") as e:
+            load_gguf(bad, progress=False)
+        assert str(bad) in str(e.value)
