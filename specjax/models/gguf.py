@@ -46,20 +46,18 @@ class FastReader:
     gives them: Python scalars, str, flat lists) and ``tensors`` (:class:`ReaderTensor`).
 
     ``gguf.GGUFReader`` builds a numpy view per metadata element (SmolLM2's 98,000 tokenizer
-    strings: 3.7 of the 7 s a load took); this parses the header with ``struct`` over one mmap
-    (tested equal to ``GGUFReader`` field by field and tensor by tensor). Little-endian files only;
+    strings: 3.7 of the 7 s a load took); this parses the header with ``struct`` over the file's
+    one ``np.memmap``, which the tensors view too (tested equal to ``GGUFReader`` field by field and tensor by tensor). Little-endian files only;
     :class:`GGUFFile` hands byte-swapped ones to the package's reader."""
 
     def __init__(self, path: str):
-        import mmap
         import struct
 
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
         from gguf.quants import quant_shape_to_byte_shape
 
-        with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._mm = mm
+        data = np.memmap(path, mode="r")
+        mm = memoryview(data)
         magic, version = struct.unpack_from("<II", mm, 0)
         if magic != _MAGIC:
             raise ValueError("GGUF magic invalid")
@@ -116,7 +114,6 @@ class FastReader:
         if not isinstance(align, int) or align <= 0 or align & (align - 1):
             raise ValueError(f"general.alignment {align!r} is not a positive power of two")
         start = o + (-o % align)
-        data = np.memmap(path, mode="r")
         plain = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                  "I32": np.int32, "I64": np.int64}
         self.tensors: list[ReaderTensor] = []
@@ -133,9 +130,8 @@ class FastReader:
             dt = plain.get(qt.name)
             if dt is None:
                 dt, shape = np.uint8, quant_shape_to_byte_shape(shape, qt)
-            count = nbytes if dt is np.uint8 else n
-            arr = data[at:at + count * np.dtype(dt).itemsize]
-            if arr.size != count * np.dtype(dt).itemsize:
+            arr = data[at:at + nbytes]  # nbytes: the elements' bytes for plain types too (block 1)
+            if arr.size != nbytes:
                 raise ValueError(f"tensor {name!r} runs past the end of the file")
             self.tensors.append(ReaderTensor(name, qt, dims, n, nbytes, at, arr.view(dt).reshape(shape)))
 
