@@ -39,7 +39,7 @@ from specjax.decode.batch import (  # noqa: F401  (the loops' host side; also re
 )
 from specjax.decode.prefill import chunked_prefill, prefill  # noqa: F401
 from specjax.models.loading import LoadedTarget
-from specjax.models.target import CausalLM, KVCache
+from specjax.models.target import CausalLM, KVCache, decode_layer_scan, stack_layer_runs, using_stacked_layers
 from specjax.sharding import TARGET_RULES, constrain_cache, mesh_of, named_shardings
 from specjax.sharding.placement import Placement
 
@@ -92,12 +92,16 @@ def emit(state: DecodeState, new_tokens, counts, eos_ids, pad_id: int) -> Decode
 
 def start(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max_new_tokens: int, max_len: int,
           sampling: SamplingParams, pad_id: int, cache_dtype, tap_ids: Sequence[int] = (), mesh=None,
-          packed_len: int | None = None, prefill_chunk: int | None = None, shared_prefix: int = 0):
+          packed_len: int | None = None, prefill_chunk: int | None = None, shared_prefix: int = 0,
+          stacked: bool | None = None):
     """Prefill into a fresh cache, sample and emit the first token. Returns ``(DecodeState, aux)``
     (aux: the prompt rows' tapped hidden states, for a draft). ``mesh``: pin the KV cache to
-    ``specjax.sharding.kv_cache_sharding`` (batch on data/fsdp, heads on tensor)."""
+    ``specjax.sharding.kv_cache_sharding`` (batch on data/fsdp, heads on tensor). ``stacked``:
+    the cache's layout (default :func:`specjax.models.target.decode_layer_scan`; a tree loop
+    passes False)."""
     B = prompt_ids.shape[0]
-    cache = pin_cache(KVCache.init(model.config, B, kt.cache_slots(max_len), cache_dtype), mesh)
+    stacked = decode_layer_scan(model) if stacked is None else stacked
+    cache = pin_cache(KVCache.init(model.config, B, kt.cache_slots(max_len), cache_dtype, stacked=stacked), mesh)
     logits, cache, aux = prefill(model, prompt_ids, prompt_lens, cache, tap_ids=tap_ids, packed_len=packed_len,
                                  chunk=prefill_chunk, shared_prefix=shared_prefix)
     cache = pin_cache(cache, mesh)
@@ -137,6 +141,8 @@ def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_id
     st, aux = start(model, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
                     max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, mesh=mesh,
                     packed_len=packed_len, prefill_chunk=prefill_chunk, tap_ids=taps, shared_prefix=shared_prefix)
+    # the decode layer scan: the layers' weights stacked once here, not in every step
+    stacks = stack_layer_runs(model, taps) if st.cache.stacked else None
     if not taps:
         def cond(s: DecodeState):
             return (s.step < max_new_tokens - 1) & ~jnp.all(s.done)
@@ -144,7 +150,8 @@ def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_id
         def body(s: DecodeState):
             return decode_step(model, s, eos_ids, sampling=sampling, pad_id=pad_id, mesh=mesh)
 
-        st = jax.lax.while_loop(cond, body, st)
+        with using_stacked_layers(model, stacks):
+            st = jax.lax.while_loop(cond, body, st)
         return st.tokens, st.num_tokens, st.eos_hit
     cap = Capture(jnp.zeros((B, max_new_tokens, len(taps), model.config.hidden_size), capture_dtype),
                   jnp.zeros((B,), jnp.int32))
@@ -161,7 +168,8 @@ def _generate_core(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_id
         slot = jnp.where(need, cap.captured, max_new_tokens)  # max_new_tokens = dropped
         return s2, Capture(cap.hs.at[jnp.arange(B), slot].set(new, mode="drop"), cap.captured + need.astype(jnp.int32))
 
-    st, cap = jax.lax.while_loop(cond_capture, body_capture, (st, cap))
+    with using_stacked_layers(model, stacks):
+        st, cap = jax.lax.while_loop(cond_capture, body_capture, (st, cap))
     return st.tokens, st.num_tokens, st.eos_hit, jnp.stack(aux, axis=2).astype(capture_dtype), cap.hs
 
 

@@ -56,7 +56,7 @@ from specjax.decode.spec_draft import (  # noqa: F401  (the draft side of the lo
     parse_self_draft, resolve_k,
 )
 from specjax.models import panels
-from specjax.models.target import CausalLM
+from specjax.models.target import CausalLM, stack_layer_runs, using_stacked_layers
 from specjax.sharding import mesh_of
 
 TRACE_COUNT = {"speculative": 0}  # bumped each time the speculative loop is traced (= compiled)
@@ -147,7 +147,9 @@ def spec_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
     def body(s: SpecState):
         return spec_round(target, draft, s, eos_ids, relax, params=params, pad_id=pad_id, trace=trace, mesh=mesh)
 
-    return jax.lax.while_loop(cond, body, st)
+    # the decode layer scan: the target's layers stacked once here for the verify, not in every round
+    with using_stacked_layers(target, stack_layer_runs(target, taps) if dec.cache.stacked else None):
+        return jax.lax.while_loop(cond, body, st)
 
 
 def spec_round(target: CausalLM, draft, s: SpecState, eos_ids, relax, *, params: SpecParams, pad_id: int,

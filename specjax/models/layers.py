@@ -234,27 +234,32 @@ def attend(q, k, v, mask=None, *, scale: float | None = None, bias=None):
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
 
 
-def write_cache(buf, positions, rows):
+def write_cache(buf, positions, rows, layer=None):
     """Heads-major KV cache write. buf [B, Hkv, S, D]; positions int [B, T]; rows [B, T, Hkv, D]
     -> buf with row t of sequence b at slot ``positions[b, t]`` (slots past S are dropped).
+    ``layer`` (int32 scalar): buf is a stacked cache [L, B, Hkv, S, D] and layer ``layer``'s rows
+    are written in place (the decode layer scan's carry).
 
     Off the CPU the heads stay a window of the scatter (indices (b, slot) only): a cache whose
     heads are sharded over a mesh axis is then written shard by shard. Indexing the heads too (the
     CPU form, same values) makes XLA's partitioner all-gather every head's rows and indices first."""
-    B, H = buf.shape[:2]
+    lead = () if layer is None else (layer,)
+    B, H = buf.shape[len(lead):len(lead) + 2]
     if not placement.is_cpu():
-        return buf.at[jnp.arange(B)[:, None], :, positions].set(rows.astype(buf.dtype), mode="drop")
+        return buf.at[lead + (jnp.arange(B)[:, None], slice(None), positions)].set(rows.astype(buf.dtype), mode="drop")
     b = jnp.arange(B)[:, None, None]
     h = jnp.arange(H)[None, :, None]
-    return buf.at[b, h, positions[:, None, :]].set(jnp.swapaxes(rows, 1, 2).astype(buf.dtype), mode="drop")
+    return buf.at[lead + (b, h, positions[:, None, :])].set(jnp.swapaxes(rows, 1, 2).astype(buf.dtype), mode="drop")
 
 
-def write_packed(buf, segments, positions, rows):
+def write_packed(buf, segments, positions, rows, layer=None):
     """Heads-major KV cache write from one packed row. buf [B, Hkv, S, D]; segments int [T]
     (the sequence of each row, >= B for padding); positions int [T]; rows [T, Hkv, D] -> buf
-    with row t at ``buf[segments[t], :, positions[t]]`` (padding and slots past S are dropped)."""
-    h = jnp.arange(buf.shape[1])[None, :]
-    return buf.at[segments[:, None], h, positions[:, None]].set(rows.astype(buf.dtype), mode="drop")
+    with row t at ``buf[segments[t], :, positions[t]]`` (padding and slots past S are dropped).
+    ``layer``: buf is a stacked cache [L, B, Hkv, S, D], layer ``layer`` written."""
+    lead = () if layer is None else (layer,)
+    h = jnp.arange(buf.shape[len(lead) + 1])[None, :]
+    return buf.at[lead + (segments[:, None], h, positions[:, None])].set(rows.astype(buf.dtype), mode="drop")
 
 
 def attend_cache(q, k, v, mask=None, *, scale: float | None = None):

@@ -54,26 +54,37 @@ from specjax.models.rope import apply_rope, rope_cos_sin
 
 
 class KVCache(NamedTuple):
-    k: tuple  # num_layers x [batch, kv_heads, max_len, head_dim]
-    v: tuple
+    # num_layers x [batch, kv_heads, max_len, head_dim]; or, stacked (the decode layer scan,
+    # :func:`decode_layer_scan`), one [num_layers, batch, kv_heads, max_len, head_dim] array each
+    k: tuple | jax.Array
+    v: tuple | jax.Array
     lengths: jax.Array  # int32 [batch]
-    heads_axis = 1  # (class constant, not a field) where kv_heads lies in k/v; DraftCache has 2
+    heads_axis = 1  # (class constant, not a field) where kv_heads lies in a layer's k/v; DraftCache has 2
 
     @classmethod
-    def init(cls, config: TargetConfig, batch: int, max_len: int, dtype=jnp.float32, lengths=None) -> "KVCache":
+    def init(cls, config: TargetConfig, batch: int, max_len: int, dtype=jnp.float32, lengths=None,
+             stacked: bool = False) -> "KVCache":
         shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
-        z = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
-        zv = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+        L = config.num_hidden_layers
         ln = jnp.zeros((batch,), jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        if stacked:
+            return cls(jnp.zeros((L,) + shape, dtype), jnp.zeros((L,) + shape, dtype), ln)
+        z = tuple(jnp.zeros(shape, dtype) for _ in range(L))
+        zv = tuple(jnp.zeros(shape, dtype) for _ in range(L))
         return cls(z, zv, ln)
 
     @property
+    def stacked(self) -> bool:
+        """k / v are one array each, layers on the leading axis (not a tuple of layers)."""
+        return not isinstance(self.k, (tuple, list))
+
+    @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.k[0].shape[-2]
 
     @property
     def batch(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[-4]
 
     def rollback(self, lengths) -> "KVCache":
         """Keep only the first ``lengths[b]`` tokens of each sequence (no data moves)."""
@@ -183,7 +194,12 @@ class CausalLM(nnx.Module):
         mode = _Mode.of(input_ids, positions, cache, attention_mask, segments, tree_mask)
         aux = {}
         new_k, new_v = [], []
-        if cache is None and n > 1 and use_layer_scan(self.model.layers, x):
+        if cache is not None and cache.stacked:
+            if mode.kind == "tree":
+                raise ValueError("a tree verify (tree_mask) writes a per-layer KV cache: build it with "
+                                 "KVCache.init(..., stacked=False)")
+            x, new_k, new_v = _scan_cache_layers(self.model.layers, x, cos, sin, mode, taps, aux, cache.k, cache.v)
+        elif cache is None and n > 1 and use_layer_scan(self.model.layers, x):
             x = _scan_layers(self.model.layers, x, cos, sin, mode, taps, aux)
         else:
             for i, layer in enumerate(self.model.layers):
@@ -296,15 +312,24 @@ def layer_runs(num_layers: int, taps: Sequence[int], windows: Sequence[int | Non
     return list(zip(c[:-1], c[1:]))
 
 
-def _layer_step(layer, x, cos, sin, mode, ck, cv):
+def _layer_step(layer, x, cos, sin, mode, ck, cv, l=None):
     """One decoder layer of a target forward -> (x, K, V) (K/V as the cache now holds them when
-    ``ck``/``cv``, the layer's cache, are given)."""
+    ``ck``/``cv``, the layer's cache, are given; with ``l``, the int32 layer index, ``ck``/``cv``
+    are the whole stacked cache and come back with layer ``l`` written)."""
     attn = layer.self_attn
     q, k, v = attn.project(layer.input_layernorm(x))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o, k, v = mode.attend(attn, q, k, v, layer.sliding_window, ck, cv)
+    if l is None:
+        o, k, v = mode.attend(attn, q, k, v, layer.sliding_window, ck, cv)
+    else:
+        o, k, v = mode.attend_stacked(attn, q, k, v, layer.sliding_window, ck, cv, l)
     x = x + attn.output(o)
     return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
+
+
+def stack_run(layers, a: int, b: int):
+    """The state of ``layers[a:b]`` (alike layers) stacked along a new leading axis (a copy)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layers[i]) for i in range(a, b)])
 
 
 def scan_run(layers, a: int, b: int, x, step):
@@ -316,8 +341,7 @@ def scan_run(layers, a: int, b: int, x, step):
     if b - a == 1:
         return step(layers[a], x)
     graphdef = nnx.graphdef(layers[a])
-    states = [nnx.state(layers[i]) for i in range(a, b)]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    stacked = stack_run(layers, a, b)
 
     def body(h, st):
         return step(nnx.merge(graphdef, st), h), None
@@ -349,6 +373,82 @@ def _scan_layers(layers, x, cos, sin, mode, taps, aux):
             mode.mask(layers[a].sliding_window)  # built once, outside the scan body
         x = scan_run(layers, a, b, x, step)
     return x
+
+
+def decode_layer_scan(model) -> bool:
+    """Whether the decode loops (generate, the speculative chain) keep the target's KV cache
+    stacked (:class:`KVCache` ``stacked``) and run the cached forwards' layers under ``lax.scan``
+    (one compiled layer body per run of alike layers; the cache is the scan's carry, each layer
+    writes its rows in place and attends its slice on XLA's path; the loops stack the layers'
+    weights once, :func:`stack_layer_runs`): only with the layer scan setting ``on``
+    (``SPECJAX_SCAN_LAYERS=1`` / ``plan --scan-layers on``; ``auto`` and ``off`` unroll), never in
+    the CPU panel view (whose native kernels take each layer's weights and cache as they lie).
+    Llama-3.1-8B on v5e-8, tensor=8 (docs/plan-kernels.md): the loops compile 1.3-4x faster and a
+    step or a k=3 round moves the unrolled one's HBM bytes or fewer, but the stacked weights are a
+    second copy of the layers (peak +1.8 to +3.1 GiB per chip), so it is a choice, not ``auto``'s.
+    Token trees keep a per-layer cache (their verify compacts it)."""
+    if scan_setting() != "on" or model.config.num_hidden_layers < 2:
+        return False
+    return not isinstance(model.model.layers[0].self_attn.q_proj.kernel.get_value(), panels.Paneled)
+
+
+#: queries per sequence up to which a forward over a stacked cache attends on XLA's path in a TPU
+#: program (decode steps, verifies); longer ones (prefills) take the Pallas decode kernel
+STACKED_XLA_ROWS = 64
+
+_PRESTACKED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("specjax_prestacked", default=None)
+
+
+def stack_layer_runs(model, tap_ids: Sequence[int] = ()) -> dict:
+    """``{"a-b": the params of layers a..b-1 stacked on a new leading axis}`` for every
+    :func:`layer_runs` run of two or more layers of a forward tapping ``tap_ids``: what a decode loop
+    builds once, before its ``while_loop`` (:func:`using_stacked_layers`), so that its steps scan
+    these instead of stacking the weights again every step (one copy of the layers' weights for
+    the program's life)."""
+    layers = model.model.layers
+    runs = layer_runs(len(layers), check_tap_ids(tap_ids, len(layers)), [la.sliding_window for la in layers])
+    return {f"{a}-{b}": stack_run(layers, a, b) for a, b in runs if b - a > 1}
+
+
+@contextlib.contextmanager
+def using_stacked_layers(model, stacks: dict | None):
+    """Within the block, ``model``'s forwards over a stacked cache scan the runs ``stacks`` holds
+    (:func:`stack_layer_runs`) instead of stacking those layers' weights themselves."""
+    token = _PRESTACKED.set(None if stacks is None else (id(model.model.layers), stacks))
+    try:
+        yield
+    finally:
+        _PRESTACKED.reset(token)
+
+
+def _scan_cache_layers(layers, x, cos, sin, mode, taps, aux, K, V):
+    """The layers of a forward over a stacked cache (``K``/``V`` [L, B, Hkv, S, D]): each
+    :func:`layer_runs` run of two or more under one ``lax.scan`` whose carry is ``(x, K, V)`` and
+    whose inputs are the run's stacked weights and layer indices; tapped states recorded at run
+    starts. Same math as the unrolled loop, per layer. Returns ``(x, K, V)``."""
+    runs = layer_runs(len(layers), taps, [layer.sliding_window for layer in layers])
+    log_layer_scan(runs)
+    pre = _PRESTACKED.get()
+    stacks = pre[1] if pre is not None and pre[0] == id(layers) else {}
+    for a, b in runs:
+        if a in taps:
+            aux[a] = x
+        if not mode.pallas or (mode.kind == "cache" and x.shape[1] <= STACKED_XLA_ROWS):  # XLA's path, below
+            mode.mask(layers[a].sliding_window)  # built once, outside the scan body
+        if b - a == 1:
+            x, K, V = _layer_step(layers[a], x, cos, sin, mode, K, V, jnp.int32(a))
+            continue
+        graphdef = nnx.graphdef(layers[a])
+        stacked = stacks.get(f"{a}-{b}")
+        if stacked is None:  # no loop stacked them beforehand: a transient copy, as the forward without a cache
+            stacked = stack_run(layers, a, b)
+
+        def body(c, xs):
+            st, l = xs
+            return _layer_step(nnx.merge(graphdef, st), *c[:1], cos, sin, mode, *c[1:], l), None
+
+        x, K, V = jax.lax.scan(body, (x, K, V), (stacked, jnp.arange(a, b, dtype=jnp.int32)))[0]
+    return x, K, V
 
 
 def _tree_and_positions(input_ids, positions, cache, segments, tree_mask):
@@ -450,6 +550,30 @@ class _Mode:
             return kt.tpu_attention(q, k, v, mask_spec=spec, scale=attn.scaling), k, v
         return attend(q, k, v, self.mask(w), scale=attn.scaling), k, v
 
+    def attend_stacked(self, attn, q, k, v, w, K, V, l):
+        """:meth:`attend` over a stacked cache ``K``/``V`` [L, B, Hkv, S, D]: this forward's K/V
+        written into layer ``l`` (int32 scalar) in place; returns ``(output, K, V)``."""
+        if self.kind == "packed":
+            seg = self.seg
+            K, V = write_packed(K, seg, self.kv_pos, k[0], layer=l), write_packed(V, seg, self.kv_pos, v[0], layer=l)
+            if self.pallas:
+                return kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, segment_ids=seg[None]),
+                                        scale=attn.scaling), K, V
+            return attend(q, k, v, self.mask(w), scale=attn.scaling), K, V
+        K, V = write_cache(K, self.slots, k, layer=l), write_cache(V, self.slots, v, layer=l)
+        if self.pallas and q.shape[1] > STACKED_XLA_ROWS:
+            # a prefill: the decode kernel reads layer l's visible blocks (no [T, S] scores); its operand,
+            # the whole stacked cache, is copied once per layer, small beside a prefill's matmuls
+            return kt.cache_attention(q, K, V, *kt.position_ranges(self.positions, w), scale=attn.scaling,
+                                      layer=l), K, V
+        # a decode step or a verify: XLA's masked attention over layer l, on TPU too. The compiler reads the
+        # layer's slice where it lies; the kernel's operand, the whole stacked cache, would be copied every
+        # layer (Llama-3.1-8B, v5e-8, B=8: a step moved 19.1 GB of HBM on the kernel, 2.4 GB on XLA's path)
+        kl, vl = K[l], V[l]
+        if panels.attention_fits(attn.q_proj, q, kl):
+            return panels.decode_attention(q, kl, vl, self.positions, window=w, scale=attn.scaling), K, V
+        return attend_cache(q, kl, vl, self.mask(w), scale=attn.scaling), K, V
+
     def _attend_cache(self, attn, ck, cv, q, rows_k, rows_v, k, v, w):
         """One layer's attention over the cache: the kernel that fits. ``ck``/``cv``: the layer's
         cache before this forward; ``rows_k``/``rows_v``: this forward's own K/V rows; ``k``, ``v``:
@@ -491,7 +615,9 @@ class _Mode:
             adv = jnp.zeros((cache.batch,), jnp.int32).at[self.seg].add(1, mode="drop")
         else:
             adv = T if self.attention_mask is None else self.attention_mask.astype(jnp.int32).sum(-1)
-        return KVCache(tuple(new_k), tuple(new_v), cache.lengths + adv)
+        if isinstance(new_k, list):
+            new_k, new_v = tuple(new_k), tuple(new_v)
+        return KVCache(new_k, new_v, cache.lengths + adv)
 
 
 class LlamaForCausalLM(CausalLM):

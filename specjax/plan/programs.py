@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 import jax.numpy as jnp
 from flax import nnx
 
@@ -34,7 +35,8 @@ from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
 from specjax.models.drafts.load import build_draft
 from specjax.models.layers import first_argmax
-from specjax.models.target import KVCache, build_model, layer_scan
+from specjax.models.target import (KVCache, build_model, decode_layer_scan, layer_scan, stack_layer_runs,
+                                   using_stacked_layers)
 from specjax.train.algorithms.base import trainable_filter_for
 from specjax.train.draft_doc import draft_config_doc
 from specjax.train.hidden_states import DTYPES, cache_layer_ids, default_aux_layer_ids, make_tap_fn
@@ -244,11 +246,14 @@ def _decode_batch(p: PlanInputs):
     return b, max_len
 
 
-def _decode_state(p: PlanInputs, Bp: int, max_len: int, cache_dtype):
+def _decode_state(p: PlanInputs, Bp: int, max_len: int, cache_dtype, stacked: bool = False):
     """Abstract :class:`specjax.decode.generate.DecodeState` of ``Bp`` rows, sharded as the loop
-    pins it (cache: batch x heads; rows on the batch axes when they divide; scalars replicated)."""
+    pins it (cache: batch x heads; rows on the batch axes when they divide; scalars replicated).
+    ``stacked``: the cache as the decode layer scan keeps it (the generate and chain loops under
+    :func:`specjax.models.target.decode_layer_scan`)."""
     mesh = p.mesh
-    cache = jax.eval_shape(lambda: KVCache.init(p.target, Bp, kt.cache_slots(max_len, mesh), cache_dtype))
+    cache = jax.eval_shape(lambda: KVCache.init(p.target, Bp, kt.cache_slots(max_len, mesh), cache_dtype,
+                                                stacked=stacked))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     st = DecodeState(step=i32(), tokens=i32(Bp, int(p.new_tokens)), num_tokens=i32(Bp), limit=i32(Bp),
                      done=jax.ShapeDtypeStruct((Bp,), bool), eos_hit=jax.ShapeDtypeStruct((Bp,), bool), last=i32(Bp),
@@ -256,6 +261,24 @@ def _decode_state(p: PlanInputs, Bp: int, max_len: int, cache_dtype):
     sh = st._replace(**{f: _batch_or_rep(mesh, getattr(st, f)) for f in DecodeState._fields if f not in ("cache",)},
                      cache=shd.kv_cache_sharding(mesh, cache))
     return shd.abstract_with_shardings(st, sh), sh
+
+
+def _stacked_runs(mesh, graphdef, state, module_of, taps):
+    """The decode layer scan's stacked layer runs (:func:`specjax.models.target.stack_layer_runs`)
+    of the target in ``state`` as abstract inputs with their shardings (each layer param's own, the
+    new leading axis unsplit): a loop builds them once before its ``while_loop``, so its step
+    program takes them as arguments. ``({}, {})`` without the scan."""
+    target = module_of(nnx.merge(graphdef, state))
+    if not decode_layer_scan(target):
+        return {}, {}
+    stacks = jax.eval_shape(lambda st: stack_layer_runs(module_of(nnx.merge(graphdef, st)), taps), state)
+
+    def sharding_of(key):
+        src = nnx.state(target.model.layers[int(key.split("-")[0])])
+        return jax.tree.map(lambda x: NamedSharding(mesh, PartitionSpec(None, *x.sharding.spec)), src)
+
+    sh = {key: sharding_of(key) for key in stacks}
+    return shd.abstract_with_shardings(stacks, sh), sh
 
 
 def generate_program(p: PlanInputs) -> Program:
@@ -270,18 +293,22 @@ def generate_program(p: PlanInputs) -> Program:
     full = lambda: fn.lower(params, *inputs, graphdef, int(p.new_tokens), int(max_len), GREEDY, b.pad, cdt)  # noqa: E731
 
     Bp = inputs[0].shape[0]
-    st, st_sh = _decode_state(p, Bp, max_len, cdt)
+    st, st_sh = _decode_state(p, Bp, max_len, cdt, stacked=decode_layer_scan(target))
     rep = shd.replicated(mesh)
 
-    def step(params, s, eos):
-        with placement.building_for(mesh):
-            return decode_step(nnx.merge(graphdef, params), s, eos, sampling=GREEDY, pad_id=b.pad, mesh=mesh)
+    stacks, stacks_sh = _stacked_runs(mesh, graphdef, params, lambda m: m, ())
 
-    step_j = jax.jit(step, in_shardings=(shd.shardings_of(params), st_sh, rep), out_shardings=st_sh,
-                     donate_argnums=(1,))
+    def step(params, stacks, s, eos):
+        with placement.building_for(mesh):
+            model = nnx.merge(graphdef, params)
+            with using_stacked_layers(model, stacks or None):
+                return decode_step(model, s, eos, sampling=GREEDY, pad_id=b.pad, mesh=mesh)
+
+    step_j = jax.jit(step, in_shardings=(shd.shardings_of(params), stacks_sh, st_sh, rep), out_shardings=st_sh,
+                     donate_argnums=(2,))
     return Program("generate", {"batch": int(b.ids.shape[0]), "prompt": b.padded_len, "new_tokens": int(p.new_tokens),
                                 "cache_slots": int(max_len)}, full,
-                   step_lower=lambda: step_j.lower(params, st, inputs[4]), tokens=int(b.ids.shape[0]))
+                   step_lower=lambda: step_j.lower(params, stacks, st, inputs[4]), tokens=int(b.ids.shape[0]))
 
 
 def _abstract_pair(p: PlanInputs):
@@ -317,7 +344,7 @@ def speculate_program(p: PlanInputs) -> Program:
                             False)
 
     Bp = inputs[0].shape[0]
-    dec, dec_sh = _decode_state(p, Bp, max_len, cdt)
+    dec, dec_sh = _decode_state(p, Bp, max_len, cdt, stacked=decode_layer_scan(abstract_target(p)))
     dcache, dcache_sh = _draft_cache(p, draft, Bp, draft_len, ddt)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     st = SpecState(dec, dcache, i32(Bp, k), jax.ShapeDtypeStruct((1,), jnp.float32), i32(Bp, k + 1), ())
@@ -325,17 +352,21 @@ def speculate_program(p: PlanInputs) -> Program:
                       _batch_or_rep(mesh, st.hist), ())
     st = shd.abstract_with_shardings(st, st_sh)
 
-    def round_(state, s, eos, relax):
+    taps = tuple(draft.tap_ids(p.target.num_hidden_layers))
+    stacks, stacks_sh = _stacked_runs(mesh, graphdef, state, lambda pair: pair.target, taps)
+
+    def round_(state, stacks, s, eos, relax):
         with placement.building_for(mesh):
             pair = nnx.merge(graphdef, state)
-            return spec_round(pair.target, pair.draft, s, eos, relax, params=params, pad_id=b.pad, mesh=mesh)
+            with using_stacked_layers(pair.target, stacks or None):
+                return spec_round(pair.target, pair.draft, s, eos, relax, params=params, pad_id=b.pad, mesh=mesh)
 
-    round_j = jax.jit(round_, in_shardings=(shd.shardings_of(state), st_sh, rep, rep), out_shardings=st_sh,
-                      donate_argnums=(1,))
+    round_j = jax.jit(round_, in_shardings=(shd.shardings_of(state), stacks_sh, st_sh, rep, rep), out_shardings=st_sh,
+                      donate_argnums=(2,))
     B = int(b.ids.shape[0])
     return Program("speculate", {"batch": B, "prompt": P, "new_tokens": new, "k": k, "cache_slots": max_len,
                                  "draft": p.cfg.speculator_type}, full,
-                   step_lower=lambda: round_j.lower(state, st, inputs[4], relax), tokens=B * (k + 1),
+                   step_lower=lambda: round_j.lower(state, stacks, st, inputs[4], relax), tokens=B * (k + 1),
                    notes=[f"tokens per round at full acceptance: batch x (k + 1) = {B * (k + 1)}"])
 
 

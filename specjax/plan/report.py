@@ -176,6 +176,9 @@ def analyse(prog, *, topology: str, mesh_desc: str, chip: Chip, with_step: bool 
             return rep
         rep.per = "step"
         cost_of = step
+        if scans:  # the decode layer scan (specjax.models.target.decode_layer_scan)
+            rep.notes.append("layers scanned (decode layer scan): the step's flops count each scanned layer body "
+                             "once; hbm_bytes counts each loop body times its trip count")
         text = step.as_text()
         coll, scustom = count_ops(text)
         for k, v in scustom.items():

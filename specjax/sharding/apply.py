@@ -75,14 +75,17 @@ def kv_cache_sharding(mesh: Mesh, cache):
 
     ha = cache.heads_axis  # target KVCache: heads-major [B, H, S, D] (1); DraftCache [B, S, H, D] (2)
 
-    def kv(x):
-        spec = [BATCH if x.shape[0] % nb == 0 else None, None, None, None]
-        spec[ha] = "tensor" if x.shape[ha] % nt == 0 else None
+    def kv(x):  # a layer's [B, ...]; a stacked target cache [L, B, H, S, D] leaves its layer axis whole
+        lead = x.ndim - 4
+        spec = [None] * lead + [BATCH if x.shape[lead] % nb == 0 else None, None, None, None]
+        spec[lead + ha] = "tensor" if x.shape[lead + ha] % nt == 0 else None
         return NamedSharding(mesh, P(*spec))
 
     def ln(x):
         return NamedSharding(mesh, P(BATCH if x.shape[0] % nb == 0 else None))
 
+    if getattr(cache, "stacked", False):
+        return type(cache)(kv(cache.k), kv(cache.v), ln(cache.lengths))
     return type(cache)(tuple(kv(x) for x in cache.k), tuple(kv(x) for x in cache.v), ln(cache.lengths))
 
 

@@ -12,6 +12,11 @@ Layout::
     [B, S, Hkv, D] (``seq_major``, the drafts' DraftCache; D a multiple of 128); lo, hi int [B, T]
     -> [B, T, Hq, D] in q's dtype
 
+    With ``layer`` (an int32 scalar, traced): k, v are a stacked heads-major cache [L, B, Hkv, S,
+    D] (the target's KVCache under the decode layer scan) and the kernel reads layer ``layer``'s
+    blocks in place (the index is prefetched with the ranges), so a scanned layer never copies its
+    slice of the cache out.
+
 The kernel runs a grid (batch, kv head, query block, kv step) with the per-(sequence, query
 block) range of kv blocks prefetched into scalar memory: step s reads block ``first + s`` and
 steps past the last needed block neither compute nor copy (their block index repeats, so the
@@ -106,6 +111,10 @@ def _kernel(first_ref, last_ref, smin_ref, smax_ref, q_ref, k_ref, v_ref, lo_ref
             lse_ref[...] = jnp.where(lf > 0, m_ref[...] + jnp.log(jnp.where(lf > 0, lf, 1.0)), -jnp.inf)
 
 
+def _drop_first(kernel, _layer_ref, *refs):
+    return kernel(*refs)
+
+
 def _cost(B: int, Hkv: int, Rp: int, nq: int, S: int, D: int, q_size: int, kv_size: int,
           with_lse: bool = False) -> pl.CostEstimate:
     """What XLA's cost analysis charges the call (it sees no flops or bytes in a Mosaic kernel
@@ -117,9 +126,14 @@ def _cost(B: int, Hkv: int, Rp: int, nq: int, S: int, D: int, q_size: int, kv_si
                            + (rows * LANES * 4 if with_lse else 0))
 
 
-def _check_shapes(q, k, v, lo, hi, seq_major: bool):
+def _check_shapes(q, k, v, lo, hi, seq_major: bool, stacked: bool = False):
     """(B, T, Hq, D, Hkv, S) of a decode-attention call, or a :class:`KernelShapeError` naming what
     does not fit."""
+    if stacked:
+        if seq_major or k.ndim != 5 or k.shape != v.shape:
+            raise KernelShapeError(f"with a layer index the cache is stacked heads-major [L, B, Hkv, S, D], got "
+                                   f"{k.shape}, {v.shape}{' (seq_major)' if seq_major else ''}")
+        k, v = k[0], v[0]
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise KernelShapeError(f"expected q [B, T, Hq, D] and a cache k = v of rank 4, got {q.shape}, {k.shape}, "
                                f"{v.shape}")
@@ -136,10 +150,13 @@ def _check_shapes(q, k, v, lo, hi, seq_major: bool):
 
 
 def decode_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: bool = False,
-                     block_q: int = 256, block_kv: int = 512, interpret: bool = False, return_lse: bool = False):
+                     block_q: int = 256, block_kv: int = 512, interpret: bool = False, return_lse: bool = False,
+                     layer=None):
     """Attention of q against the cache slots ``[lo, hi]`` of each query (module docstring);
-    with ``return_lse`` also the log-sum-exp of each query head's logits, float32 [B, T, Hq]."""
-    B, T, Hq, D, Hkv, S = _check_shapes(q, k, v, lo, hi, seq_major)
+    with ``return_lse`` also the log-sum-exp of each query head's logits, float32 [B, T, Hq];
+    with ``layer``, of layer ``layer`` of a stacked cache [L, B, Hkv, S, D]."""
+    stacked = layer is not None
+    B, T, Hq, D, Hkv, S = _check_shapes(q, k, v, lo, hi, seq_major, stacked)
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     bk = _kv_block(S, block_kv, jnp.dtype(k.dtype).itemsize)
@@ -163,11 +180,17 @@ def decode_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: 
     first = jnp.clip(smin // bk, 0, nk - 1)
     last = jnp.where(smax >= smin, smax // bk, first - 1)  # last < first: nothing to read
 
-    def kv_map(b, h, i, s, first, last, smin, smax):
+    def kv_map(b, h, i, s, *refs):
+        first, last = refs[-4:-2]
         blk = jnp.minimum(first[b * nq + i] + s, jnp.maximum(last[b * nq + i], first[b * nq + i]))
+        if stacked:
+            return refs[0][0], b, h, blk, 0
         return (b, blk, h) if seq_major else (b, h, blk, 0)
 
-    if seq_major:
+    if stacked:
+        kk, vv = k, v
+        kv_spec = pl.BlockSpec((None, None, None, bk, D), kv_map)
+    elif seq_major:
         kk, vv = k.reshape(B, S, Hkv * D), v.reshape(B, S, Hkv * D)
         kv_spec = pl.BlockSpec((None, bk, D), kv_map)
     else:
@@ -176,15 +199,20 @@ def decode_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: 
     row_map = lambda b, h, i, s, *_: (b, h, i, 0)
     rng_map = lambda b, h, i, s, *_: (b, i, 0)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4, grid=(B, Hkv, nq, nk),
+        num_scalar_prefetch=5 if stacked else 4, grid=(B, Hkv, nq, nk),
         in_specs=[pl.BlockSpec((None, None, bq, D), row_map), kv_spec, kv_spec,
                   pl.BlockSpec((None, bq, 1), rng_map), pl.BlockSpec((None, bq, 1), rng_map)],
         out_specs=[pl.BlockSpec((None, None, bq, D), row_map)]
         + ([pl.BlockSpec((None, None, bq, LANES), row_map)] if return_lse else []),
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
                         pltpu.VMEM((bq, D), jnp.float32)])
+    kernel = functools.partial(_kernel, scale=scale, bk=bk, nq=nq, with_lse=return_lse)
+    prefetch = (first.astype(jnp.int32), last.astype(jnp.int32), smin, smax)
+    if stacked:  # the layer index rides along as the first scalar; the kernel body does not read it
+        kernel = functools.partial(_drop_first, kernel)
+        prefetch = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),) + prefetch
     outs = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, bk=bk, nq=nq, with_lse=return_lse),
+        kernel,
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((B, Hkv, Rp, D), q.dtype)]
         + ([jax.ShapeDtypeStruct((B, Hkv, Rp, LANES), jnp.float32)] if return_lse else []),
@@ -192,7 +220,7 @@ def decode_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: 
         cost_estimate=_cost(B, Hkv, Rp, nq, S, D, jnp.dtype(q.dtype).itemsize, jnp.dtype(k.dtype).itemsize,
                             return_lse),
         interpret=interpret,
-    )(first.astype(jnp.int32), last.astype(jnp.int32), smin, smax, qh, kk, vv, lo_r, hi_r)
+    )(*prefetch, qh, kk, vv, lo_r, hi_r)
     out = outs[0][:, :, :R].reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
     if not return_lse:
         return out

@@ -109,15 +109,21 @@ def range_mask(lo, hi, S: int):
 
 
 def cache_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: bool = False, mesh=None,
-                    impl: str | None = None, interpret: bool = False, **block_kw):
+                    impl: str | None = None, interpret: bool = False, layer=None, **block_kw):
     """q [B, T, Hq, D] against cache k, v ([B, Hkv, S, D], or [B, S, Hkv, D] with
     ``seq_major``); query t of sequence b sees slots ``lo[b, t] .. hi[b, t]`` -> [B, T, Hq, D].
     The XLA path scores every slot (NaN in unseen slots is masked out of the logits but not out
     of the weighted sum there: the cache must be finite); the Pallas path reads only the blocks
-    the ranges touch (see :mod:`specjax.kernels.tpu.decode`)."""
+    the ranges touch (see :mod:`specjax.kernels.tpu.decode`). ``layer`` (int32 scalar): k, v are
+    a stacked heads-major cache [L, B, Hkv, S, D] and layer ``layer`` is attended (the kernel
+    reads it in place)."""
     mesh = ambient_mesh(mesh)
     impl = _impl(impl, mesh)
     interpret = interpret or _INTERPRET.get()
+    if layer is not None and impl == "xla":
+        k, v = k[layer], v[layer]
+    elif layer is not None:
+        return _decode(q, k, v, lo, hi, mesh, dict(scale=scale, interpret=interpret, **block_kw), layer=layer)
     if impl == "xla":
         S = k.shape[1] if seq_major else k.shape[2]
         kk, vv = (k, v) if seq_major else (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
@@ -126,17 +132,25 @@ def cache_attention(q, k, v, lo, hi, *, scale: float | None = None, seq_major: b
     return _decode(q, k, v, lo, hi, mesh, dict(scale=scale, seq_major=seq_major, interpret=interpret, **block_kw))
 
 
-def _decode(q, k, v, lo, hi, mesh, kw, return_lse: bool = False):
+def _decode(q, k, v, lo, hi, mesh, kw, return_lse: bool = False, layer=None):
     """The decode kernel, inside ``jax.shard_map`` under a mesh (batch over data/fsdp, kv heads
-    over tensor; the log-sum-exp [B, T, Hq] sharded as the output's heads)."""
+    over tensor; the log-sum-exp [B, T, Hq] sharded as the output's heads). ``layer``: k, v are a
+    stacked cache [L, B, Hkv, S, D], its layer axis unsplit."""
     if mesh is None:
-        return decode_attention(q, k, v, lo, hi, return_lse=return_lse, **kw)
+        return decode_attention(q, k, v, lo, hi, return_lse=return_lse, layer=layer, **kw)
     from jax.sharding import PartitionSpec as P
 
-    bs, hs = mesh_specs(mesh, q.shape[0], k.shape[2] if kw.get("seq_major") else k.shape[1])
+    heads = k.shape[-3] if layer is not None else (k.shape[2] if kw.get("seq_major") else k.shape[1])
+    bs, hs = mesh_specs(mesh, q.shape[0], heads)
     act = P(bs, None, hs, None)
     cache = act if kw.get("seq_major") else P(bs, hs, None, None)
     out_specs = (act, P(bs, None, hs)) if return_lse else act
+    if layer is not None:
+        cache = P(None, bs, hs, None, None)
+        return jax.shard_map(lambda q, k, v, lo, hi, layer: decode_attention(q, k, v, lo, hi, return_lse=return_lse,
+                                                                             layer=layer, **kw),
+                             mesh=mesh, in_specs=(act, cache, cache, P(bs, None), P(bs, None), P()),
+                             out_specs=out_specs, check_vma=False)(q, k, v, lo, hi, jnp.asarray(layer, jnp.int32))
     return jax.shard_map(lambda q, k, v, lo, hi: decode_attention(q, k, v, lo, hi, return_lse=return_lse, **kw),
                          mesh=mesh, in_specs=(act, cache, cache, P(bs, None), P(bs, None)), out_specs=out_specs,
                          check_vma=False)(q, k, v, lo, hi)
