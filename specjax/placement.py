@@ -137,7 +137,7 @@ _SCAN_WORDS = {"0": "off", "false": "off", "no": "off", "off": "off", "1": "on",
 
 def scan_env() -> str:
     """``SPECJAX_SCAN_LAYERS`` as ``"off"`` (unset), ``"on"`` or ``"auto"`` (see
-    :func:`specjax.models.target.scan_layers_on`); ValueError names any other value."""
+    :func:`specjax.models.layer_scan.scan_layers_on`); ValueError names any other value."""
     import os
 
     env = os.environ.get("SPECJAX_SCAN_LAYERS", "").strip().lower()

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from specjax.plan import CHIPS, plan  # noqa: E402
-from specjax.models.target import layer_scan  # noqa: E402
+from specjax.models.layer_scan import layer_scan  # noqa: E402
 from specjax.train.config import load_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

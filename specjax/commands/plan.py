@@ -48,7 +48,7 @@ def plan_cmd(
     """Compile the recipe's programs for a TPU topology without a TPU (libtpu: pip install
     "specjax[tpu]") and report per chip: memory vs HBM, flops, bytes, roofline, collectives."""
     from bridge.errors import BridgeError
-    from specjax.models.target import SCAN_SETTINGS, layer_scan, scan_setting
+    from specjax.models.layer_scan import SCAN_SETTINGS, layer_scan, scan_setting
     from specjax.plan import PlanError, TopologyError, plan
     from specjax.sharding.errors import ShardingError
     from specjax.train.config import load_recipe

@@ -39,7 +39,8 @@ from specjax.decode.batch import (  # noqa: F401  (the loops' host side; also re
 )
 from specjax.decode.prefill import chunked_prefill, prefill  # noqa: F401
 from specjax.models.loading import LoadedTarget
-from specjax.models.target import CausalLM, KVCache, decode_layer_scan, stack_layer_runs, using_stacked_layers
+from specjax.models.layer_scan import decode_layer_scan, stack_layer_runs, using_stacked_layers
+from specjax.models.target import CausalLM, KVCache
 from specjax.sharding import TARGET_RULES, constrain_cache, mesh_of, named_shardings
 from specjax.sharding.placement import Placement
 
@@ -97,7 +98,7 @@ def start(model: CausalLM, prompt_ids, prompt_lens, limits, key, eos_ids, *, max
     """Prefill into a fresh cache, sample and emit the first token. Returns ``(DecodeState, aux)``
     (aux: the prompt rows' tapped hidden states, for a draft). ``mesh``: pin the KV cache to
     ``specjax.sharding.kv_cache_sharding`` (batch on data/fsdp, heads on tensor). ``stacked``:
-    the cache's layout (default :func:`specjax.models.target.decode_layer_scan`; a tree loop
+    the cache's layout (default :func:`specjax.models.layer_scan.decode_layer_scan`; a tree loop
     passes False)."""
     B = prompt_ids.shape[0]
     stacked = decode_layer_scan(model) if stacked is None else stacked

@@ -56,7 +56,8 @@ from specjax.decode.spec_draft import (  # noqa: F401  (the draft side of the lo
     parse_self_draft, resolve_k,
 )
 from specjax.models import panels
-from specjax.models.target import CausalLM, stack_layer_runs, using_stacked_layers
+from specjax.models.layer_scan import stack_layer_runs, using_stacked_layers
+from specjax.models.target import CausalLM
 from specjax.sharding import mesh_of
 
 TRACE_COUNT = {"speculative": 0}  # bumped each time the speculative loop is traced (= compiled)

@@ -34,19 +34,16 @@ pos[b, t] - W`` on sliding-window layers). Hence:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import placement
 from specjax.kernels import tpu as kt
-from specjax.kernels.tpu.dispatch import ambient_mesh
 from specjax.models.config import TargetConfig
 from specjax.models.errors import ContextLengthError, TapIdError, UnknownArchitectureError
+from specjax.models.layer_scan import layer_runs, log_layer_scan, scan_run, use_layer_scan
 from specjax.models import panels
 from specjax.models.layers import (INIT_STD, DecoderLayer, Embed, RMSNorm, attend, attend_cache, causal_mask, dense,
                                    tree_cache_mask, write_cache, write_packed)
@@ -198,7 +195,7 @@ class CausalLM(nnx.Module):
             if mode.kind == "tree":
                 raise ValueError("a tree verify (tree_mask) writes a per-layer KV cache: build it with "
                                  "KVCache.init(..., stacked=False)")
-            x, new_k, new_v = _scan_cache_layers(self.model.layers, x, cos, sin, mode, taps, aux, cache.k, cache.v)
+            x, new_k, new_v = _scan_layers(self.model.layers, x, cos, sin, mode, taps, aux, cache.k, cache.v)
         elif cache is None and n > 1 and use_layer_scan(self.model.layers, x):
             x = _scan_layers(self.model.layers, x, cos, sin, mode, taps, aux)
         else:
@@ -217,100 +214,6 @@ class CausalLM(nnx.Module):
         return TargetOutput(logits, new_cache, tuple(aux[i] for i in taps))
 
 
-_SCAN_LAYERS: contextvars.ContextVar[str | None] = contextvars.ContextVar("specjax_scan_layers", default=None)
-_SCAN_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("specjax_scan_log", default=None)
-SCAN_SETTINGS = placement.SCAN_SETTINGS
-
-
-def scan_setting() -> str:
-    """``"off"`` (the default), ``"on"`` or ``"auto"``: from :func:`layer_scan`, else the
-    ``SPECJAX_SCAN_LAYERS`` environment variable (``0``/``1``/``auto``)."""
-    v = _SCAN_LAYERS.get()
-    return v if v is not None else placement.scan_env()
-
-
-def scan_layers_on() -> bool | None:
-    """Whether target forwards without a KV cache run their layers under ``lax.scan`` (one compiled
-    layer body per run of alike layers; each run's weights are stacked into one transient copy)
-    instead of unrolled: True (``on``), False (``off``, the default: the CPU's native kernels run
-    per layer, and on v6e the unrolled extraction moves 10-20 % fewer HBM bytes), or None
-    (``auto`` in a program built for a TPU or a GPU: scan where a layer's float32 residual stream
-    per chip outweighs its weights per chip, :func:`_scan_pays`; on v5e-8 that halves an 8192-token
-    Llama-3.1-8B extraction's peak memory and quarters the temporaries at 16384)."""
-    s = scan_setting()
-    if s == "auto":
-        return None if placement.platform() != "cpu" else False
-    return s == "on"
-
-
-@contextlib.contextmanager
-def layer_scan(on: bool | str = True):
-    """Within the block, target forwards without a cache scan their layers (``on``: True or
-    ``"on"``), unroll them (False / ``"off"``) or scan where it pays (``"auto"``)."""
-    setting = on if isinstance(on, str) else ("on" if on else "off")
-    if setting not in SCAN_SETTINGS:
-        raise ValueError(f"layer scan setting {on!r}: expected one of {SCAN_SETTINGS}")
-    token = _SCAN_LAYERS.set(setting)
-    try:
-        yield
-    finally:
-        _SCAN_LAYERS.reset(token)
-
-
-@contextlib.contextmanager
-def recording_layer_scans():
-    """Yields a list that collects, for every target forward traced in the block that scans its
-    layers, its :func:`layer_runs` (``specjax plan`` asks whether a program scanned)."""
-    log: list = []
-    token = _SCAN_LOG.set(log)
-    try:
-        yield log
-    finally:
-        _SCAN_LOG.reset(token)
-
-
-def _scan_pays(layer, x) -> bool:
-    """Per chip of the mesh the program is built for: a layer's float32 residual stream (the
-    unrolled forward keeps about one ``[B, T, hidden]`` float32 temporary per layer alive; batch
-    split over ``data`` x ``fsdp``) at least the layer's weights (split over ``fsdp`` x ``tensor``;
-    a scan stacks each run's weights into one copy). Llama-3.1-8B on tensor=8: an 8192-token row
-    134 MB against 55 MB (peak 6.4 -> 3.2 GiB); 1024 tokens 17 MB (unrolled); data=8, a row per chip:
-    134 MB against 436 MB (unrolled: the replicated weights' copy would not fit)."""
-    mesh = ambient_mesh()
-    sizes = dict(mesh.shape) if mesh is not None else {}
-    rows = -(-x.shape[0] // (sizes.get("data", 1) * sizes.get("fsdp", 1)))
-    act = rows * x.shape[1] * x.shape[2] * 4
-    weights = sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(nnx.state(layer, nnx.Param)))
-    return act >= weights / (sizes.get("fsdp", 1) * sizes.get("tensor", 1))
-
-
-def use_layer_scan(layers, x) -> bool:
-    on = scan_layers_on()
-    return bool(on) if on is not None else _scan_pays(layers[0], x)
-
-
-def draft_layer_scan(num_layers: int) -> bool:
-    """Whether a multi-layer draft's training forward (DFlash, DSpark) runs its layers under
-    ``lax.scan`` (:func:`scan_run`, one run per sliding window): ``on`` scans; ``off`` (the default)
-    and ``auto`` unroll. Measured on the 5-layer DFlash Qwen3-8B train step at 8192 tokens, v5e-8
-    tensor=8 (``specjax plan --programs train --scan-layers on``): the scan compiles in 95 s
-    instead of 127 s but its peak is 9.94 GiB against 7.55 unrolled and it moves 109 GB of HBM
-    against 84 (the stacked weights, the stacked gradient and each iteration's saved activations in
-    loop buffers), for the same compute-bound roofline: a draft's few layers pay more in memory
-    than they save in compile time, so ``auto`` keeps them unrolled."""
-    return num_layers > 1 and scan_setting() == "on"
-
-
-def layer_runs(num_layers: int, taps: Sequence[int], windows: Sequence[int | None]) -> list[tuple[int, int]]:
-    """``[a, b)`` runs of consecutive layers that one scan can take: a run starts at every tap id
-    (its input is a tapped state) and wherever the sliding window changes (a static property of
-    the layer's mask)."""
-    cuts = {0, num_layers}
-    cuts.update(t for t in taps if 0 < t < num_layers)
-    cuts.update(i for i in range(1, num_layers) if windows[i] != windows[i - 1])
-    c = sorted(cuts)
-    return list(zip(c[:-1], c[1:]))
-
 
 def _layer_step(layer, x, cos, sin, mode, ck, cv, l=None):
     """One decoder layer of a target forward -> (x, K, V) (K/V as the cache now holds them when
@@ -319,136 +222,39 @@ def _layer_step(layer, x, cos, sin, mode, ck, cv, l=None):
     attn = layer.self_attn
     q, k, v = attn.project(layer.input_layernorm(x))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if l is None:
-        o, k, v = mode.attend(attn, q, k, v, layer.sliding_window, ck, cv)
-    else:
-        o, k, v = mode.attend_stacked(attn, q, k, v, layer.sliding_window, ck, cv, l)
+    o, k, v = mode.attend(attn, q, k, v, layer.sliding_window, ck, cv, layer=l)
     x = x + attn.output(o)
     return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
 
 
-def stack_run(layers, a: int, b: int):
-    """The state of ``layers[a:b]`` (alike layers) stacked along a new leading axis (a copy)."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layers[i]) for i in range(a, b)])
-
-
-def scan_run(layers, a: int, b: int, x, step):
-    """``x`` through ``layers[a:b]`` with ``step(layer, x) -> x``: one layer called as it is; two
-    or more as one ``lax.scan`` over their params stacked along a new leading axis (a copy of the
-    run's weights per call, a transient next to the activations; gradients flow back through the
-    stack to each layer's own params), the body compiled once. The layers must be alike (one
-    graph: same shapes, same static settings such as the sliding window)."""
-    if b - a == 1:
-        return step(layers[a], x)
-    graphdef = nnx.graphdef(layers[a])
-    stacked = stack_run(layers, a, b)
-
-    def body(h, st):
-        return step(nnx.merge(graphdef, st), h), None
-
-    return jax.lax.scan(body, x, stacked)[0]
-
-
-def log_layer_scan(runs) -> None:
-    """Record a traced forward's runs for :func:`recording_layer_scans` when one of them scans."""
-    log = _SCAN_LOG.get()
-    if log is not None and any(b - a > 1 for a, b in runs):
-        log.append(runs)
-
-
-def _scan_layers(layers, x, cos, sin, mode, taps, aux):
-    """The layers of a forward without a cache, each :func:`layer_runs` run of two or more under one
-    ``lax.scan`` (:func:`scan_run`), tapped states recorded into ``aux`` at run starts. Same math
-    as the unrolled loop, per layer."""
+def _scan_layers(layers, x, cos, sin, mode, taps, aux, K=None, V=None):
+    """The layers of a forward, each :func:`layer_runs` run of two or more under one ``lax.scan``
+    (:func:`scan_run`), tapped states recorded into ``aux`` at run starts. Without a cache the carry
+    is ``x``; over a stacked cache (``K``/``V`` [L, B, Hkv, S, D]) it is ``(x, K, V)``, each layer
+    writing its rows into its slice in place. Same math as the unrolled loop, per layer. Returns
+    ``x``, or ``(x, K, V)``."""
     runs = layer_runs(len(layers), taps, [layer.sliding_window for layer in layers])
     log_layer_scan(runs)
+    stacked_cache = K is not None
 
-    def step(layer, h):
-        return _layer_step(layer, h, cos, sin, mode, None, None)[0]
+    def step(layer, c, i):
+        if not stacked_cache:
+            return _layer_step(layer, c, cos, sin, mode, None, None)[0]
+        return _layer_step(layer, c[0], cos, sin, mode, c[1], c[2], i)
 
+    carry = (x, K, V) if stacked_cache else x
     for a, b in runs:
         if a in taps:
-            aux[a] = x
-        if b - a > 1 and not mode.pallas:
+            aux[a] = carry[0] if stacked_cache else carry
+        if mode.uses_mask(stacked_cache):
             mode.mask(layers[a].sliding_window)  # built once, outside the scan body
-        x = scan_run(layers, a, b, x, step)
-    return x
-
-
-def decode_layer_scan(model) -> bool:
-    """Whether the decode loops (generate, the speculative chain) keep the target's KV cache
-    stacked (:class:`KVCache` ``stacked``) and run the cached forwards' layers under ``lax.scan``
-    (one compiled layer body per run of alike layers; the cache is the scan's carry, each layer
-    writes its rows in place and attends its slice on XLA's path; the loops stack the layers'
-    weights once, :func:`stack_layer_runs`): only with the layer scan setting ``on``
-    (``SPECJAX_SCAN_LAYERS=1`` / ``plan --scan-layers on``; ``auto`` and ``off`` unroll), never in
-    the CPU panel view (whose native kernels take each layer's weights and cache as they lie).
-    Llama-3.1-8B on v5e-8, tensor=8 (docs/plan-kernels.md): the loops compile 1.3-4x faster and a
-    step or a k=3 round moves the unrolled one's HBM bytes or fewer, but the stacked weights are a
-    second copy of the layers (peak +1.8 to +3.1 GiB per chip), so it is a choice, not ``auto``'s.
-    Token trees keep a per-layer cache (their verify compacts it)."""
-    if scan_setting() != "on" or model.config.num_hidden_layers < 2:
-        return False
-    return not isinstance(model.model.layers[0].self_attn.q_proj.kernel.get_value(), panels.Paneled)
+        carry = scan_run(layers, a, b, carry, step, indexed=True)
+    return carry
 
 
 #: queries per sequence up to which a forward over a stacked cache attends on XLA's path in a TPU
 #: program (decode steps, verifies); longer ones (prefills) take the Pallas decode kernel
 STACKED_XLA_ROWS = 64
-
-_PRESTACKED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("specjax_prestacked", default=None)
-
-
-def stack_layer_runs(model, tap_ids: Sequence[int] = ()) -> dict:
-    """``{"a-b": the params of layers a..b-1 stacked on a new leading axis}`` for every
-    :func:`layer_runs` run of two or more layers of a forward tapping ``tap_ids``: what a decode loop
-    builds once, before its ``while_loop`` (:func:`using_stacked_layers`), so that its steps scan
-    these instead of stacking the weights again every step (one copy of the layers' weights for
-    the program's life)."""
-    layers = model.model.layers
-    runs = layer_runs(len(layers), check_tap_ids(tap_ids, len(layers)), [la.sliding_window for la in layers])
-    return {f"{a}-{b}": stack_run(layers, a, b) for a, b in runs if b - a > 1}
-
-
-@contextlib.contextmanager
-def using_stacked_layers(model, stacks: dict | None):
-    """Within the block, ``model``'s forwards over a stacked cache scan the runs ``stacks`` holds
-    (:func:`stack_layer_runs`) instead of stacking those layers' weights themselves."""
-    token = _PRESTACKED.set(None if stacks is None else (id(model.model.layers), stacks))
-    try:
-        yield
-    finally:
-        _PRESTACKED.reset(token)
-
-
-def _scan_cache_layers(layers, x, cos, sin, mode, taps, aux, K, V):
-    """The layers of a forward over a stacked cache (``K``/``V`` [L, B, Hkv, S, D]): each
-    :func:`layer_runs` run of two or more under one ``lax.scan`` whose carry is ``(x, K, V)`` and
-    whose inputs are the run's stacked weights and layer indices; tapped states recorded at run
-    starts. Same math as the unrolled loop, per layer. Returns ``(x, K, V)``."""
-    runs = layer_runs(len(layers), taps, [layer.sliding_window for layer in layers])
-    log_layer_scan(runs)
-    pre = _PRESTACKED.get()
-    stacks = pre[1] if pre is not None and pre[0] == id(layers) else {}
-    for a, b in runs:
-        if a in taps:
-            aux[a] = x
-        if not mode.pallas or (mode.kind == "cache" and x.shape[1] <= STACKED_XLA_ROWS):  # XLA's path, below
-            mode.mask(layers[a].sliding_window)  # built once, outside the scan body
-        if b - a == 1:
-            x, K, V = _layer_step(layers[a], x, cos, sin, mode, K, V, jnp.int32(a))
-            continue
-        graphdef = nnx.graphdef(layers[a])
-        stacked = stacks.get(f"{a}-{b}")
-        if stacked is None:  # no loop stacked them beforehand: a transient copy, as the forward without a cache
-            stacked = stack_run(layers, a, b)
-
-        def body(c, xs):
-            st, l = xs
-            return _layer_step(nnx.merge(graphdef, st), *c[:1], cos, sin, mode, *c[1:], l), None
-
-        x, K, V = jax.lax.scan(body, (x, K, V), (stacked, jnp.arange(a, b, dtype=jnp.int32)))[0]
-    return x, K, V
 
 
 def _tree_and_positions(input_ids, positions, cache, segments, tree_mask):
@@ -531,18 +337,23 @@ class _Mode:
                 self.masks[w] = self.masks[w] & self.same[:, None]
         return self.masks[w]
 
-    def attend(self, attn, q, k, v, w, ck=None, cv=None):
+    def attend(self, attn, q, k, v, w, ck=None, cv=None, layer=None):
         """One layer's attention output, and its K/V as the cache now holds them (with a cache:
-        ``ck``/``cv`` are that layer's cache arrays before this forward)."""
+        ``ck``/``cv`` are that layer's cache arrays before this forward; with ``layer``, the int32
+        index of a stacked cache [L, B, Hkv, S, D], the whole stacked arrays, returned with that
+        layer's rows written in place)."""
         if self.kind == "packed":
             seg = self.seg
-            nk, nv = write_packed(ck, seg, self.kv_pos, k[0]), write_packed(cv, seg, self.kv_pos, v[0])
+            nk = write_packed(ck, seg, self.kv_pos, k[0], layer=layer)
+            nv = write_packed(cv, seg, self.kv_pos, v[0], layer=layer)
             if self.pallas:  # exact: a sequence's tokens are contiguous in the row, at consecutive positions
                 return kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, segment_ids=seg[None]),
                                         scale=attn.scaling), nk, nv
             return attend(q, k, v, self.mask(w), scale=attn.scaling), nk, nv
         if self.kind in ("cache", "tree"):
-            nk, nv = write_cache(ck, self.slots, k), write_cache(cv, self.slots, v)
+            nk, nv = write_cache(ck, self.slots, k, layer=layer), write_cache(cv, self.slots, v, layer=layer)
+            if layer is not None:
+                return self._attend_stacked(attn, q, nk, nv, w, layer), nk, nv
             return self._attend_cache(attn, ck, cv, q, k, v, nk, nv, w), nk, nv
         if self.pallas:  # packed rows: a sequence's tokens are contiguous, so causal within a segment is exact
             spec = kt.causal(window=w, segment_ids=self.seg) if self.seg is not None else \
@@ -550,29 +361,25 @@ class _Mode:
             return kt.tpu_attention(q, k, v, mask_spec=spec, scale=attn.scaling), k, v
         return attend(q, k, v, self.mask(w), scale=attn.scaling), k, v
 
-    def attend_stacked(self, attn, q, k, v, w, K, V, l):
-        """:meth:`attend` over a stacked cache ``K``/``V`` [L, B, Hkv, S, D]: this forward's K/V
-        written into layer ``l`` (int32 scalar) in place; returns ``(output, K, V)``."""
-        if self.kind == "packed":
-            seg = self.seg
-            K, V = write_packed(K, seg, self.kv_pos, k[0], layer=l), write_packed(V, seg, self.kv_pos, v[0], layer=l)
-            if self.pallas:
-                return kt.tpu_attention(q, k, v, mask_spec=kt.causal(window=w, segment_ids=seg[None]),
-                                        scale=attn.scaling), K, V
-            return attend(q, k, v, self.mask(w), scale=attn.scaling), K, V
-        K, V = write_cache(K, self.slots, k, layer=l), write_cache(V, self.slots, v, layer=l)
+    def uses_mask(self, stacked_cache: bool) -> bool:
+        """Whether this forward's layers attend on XLA's masked path (the mask is then built once,
+        outside a layer scan): off the Pallas path, and over a stacked cache for up to
+        :data:`STACKED_XLA_ROWS` queries (:meth:`_attend_stacked`)."""
+        return not self.pallas or (stacked_cache and self.kind == "cache" and self.q_pos.shape[1] <= STACKED_XLA_ROWS)
+
+    def _attend_stacked(self, attn, q, K, V, w, l):
+        """One layer's attention over layer ``l`` of a stacked cache ``K``/``V`` (its rows written)."""
         if self.pallas and q.shape[1] > STACKED_XLA_ROWS:
             # a prefill: the decode kernel reads layer l's visible blocks (no [T, S] scores); its operand,
             # the whole stacked cache, is copied once per layer, small beside a prefill's matmuls
-            return kt.cache_attention(q, K, V, *kt.position_ranges(self.positions, w), scale=attn.scaling,
-                                      layer=l), K, V
+            return kt.cache_attention(q, K, V, *kt.position_ranges(self.positions, w), scale=attn.scaling, layer=l)
         # a decode step or a verify: XLA's masked attention over layer l, on TPU too. The compiler reads the
         # layer's slice where it lies; the kernel's operand, the whole stacked cache, would be copied every
         # layer (Llama-3.1-8B, v5e-8, B=8: a step moved 19.1 GB of HBM on the kernel, 2.4 GB on XLA's path)
         kl, vl = K[l], V[l]
         if panels.attention_fits(attn.q_proj, q, kl):
-            return panels.decode_attention(q, kl, vl, self.positions, window=w, scale=attn.scaling), K, V
-        return attend_cache(q, kl, vl, self.mask(w), scale=attn.scaling), K, V
+            return panels.decode_attention(q, kl, vl, self.positions, window=w, scale=attn.scaling)
+        return attend_cache(q, kl, vl, self.mask(w), scale=attn.scaling)
 
     def _attend_cache(self, attn, ck, cv, q, rows_k, rows_v, k, v, w):
         """One layer's attention over the cache: the kernel that fits. ``ck``/``cv``: the layer's

@@ -35,8 +35,8 @@ from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
 from specjax.models.drafts.load import build_draft
 from specjax.models.layers import first_argmax
-from specjax.models.target import (KVCache, build_model, decode_layer_scan, layer_scan, stack_layer_runs,
-                                   using_stacked_layers)
+from specjax.models.layer_scan import decode_layer_scan, layer_scan, stack_layer_runs, using_stacked_layers
+from specjax.models.target import KVCache, build_model
 from specjax.train.algorithms.base import trainable_filter_for
 from specjax.train.draft_doc import draft_config_doc
 from specjax.train.hidden_states import DTYPES, cache_layer_ids, default_aux_layer_ids, make_tap_fn
@@ -250,7 +250,7 @@ def _decode_state(p: PlanInputs, Bp: int, max_len: int, cache_dtype, stacked: bo
     """Abstract :class:`specjax.decode.generate.DecodeState` of ``Bp`` rows, sharded as the loop
     pins it (cache: batch x heads; rows on the batch axes when they divide; scalars replicated).
     ``stacked``: the cache as the decode layer scan keeps it (the generate and chain loops under
-    :func:`specjax.models.target.decode_layer_scan`)."""
+    :func:`specjax.models.layer_scan.decode_layer_scan`)."""
     mesh = p.mesh
     cache = jax.eval_shape(lambda: KVCache.init(p.target, Bp, kt.cache_slots(max_len, mesh), cache_dtype,
                                                 stacked=stacked))
@@ -264,7 +264,7 @@ def _decode_state(p: PlanInputs, Bp: int, max_len: int, cache_dtype, stacked: bo
 
 
 def _stacked_runs(mesh, graphdef, state, module_of, taps):
-    """The decode layer scan's stacked layer runs (:func:`specjax.models.target.stack_layer_runs`)
+    """The decode layer scan's stacked layer runs (:func:`specjax.models.layer_scan.stack_layer_runs`)
     of the target in ``state`` as abstract inputs with their shardings (each layer param's own, the
     new leading axis unsplit): a loop builds them once before its ``while_loop``, so its step
     program takes them as arguments. ``({}, {})`` without the scan."""

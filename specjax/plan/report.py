@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from specjax.kernels.tpu.splash import count_kernel_flops
-from specjax.models.target import recording_layer_scans
+from specjax.models.layer_scan import recording_layer_scans
 from specjax.plan import hbm
 from specjax.plan.topology import Chip
 
@@ -176,7 +176,7 @@ def analyse(prog, *, topology: str, mesh_desc: str, chip: Chip, with_step: bool 
             return rep
         rep.per = "step"
         cost_of = step
-        if scans:  # the decode layer scan (specjax.models.target.decode_layer_scan)
+        if scans:  # the decode layer scan (specjax.models.layer_scan.decode_layer_scan)
             rep.notes.append("layers scanned (decode layer scan): the step's flops count each scanned layer body "
                              "once; hbm_bytes counts each loop body times its trip count")
         text = step.as_text()

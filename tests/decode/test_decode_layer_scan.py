@@ -16,23 +16,14 @@ from flax import nnx
 from specjax.decode.prefill import prefill
 from specjax.kernels import tpu as kt
 from specjax.kernels.tpu.decode import decode_attention
-from specjax.models.config import TargetConfig
-from specjax.models.target import KVCache, build_model, decode_layer_scan, layer_scan, recording_layer_scans
+from specjax.models.layer_scan import decode_layer_scan, layer_scan, recording_layer_scans
+from specjax.models.target import STACKED_XLA_ROWS, KVCache
+from tests.models.test_layer_scan import N, tiny
 
-N = 6
-
-
-def tiny(family="llama", **over):
-    hf = dict(architectures=["LlamaForCausalLM" if family == "llama" else "Qwen3ForCausalLM"],
-              model_type=family, vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=N,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
-              max_position_embeddings=128, tie_word_embeddings=False)
-    hf.update(over)
-    return build_model(TargetConfig.from_hf(hf), rngs=nnx.Rngs(3))
-
-
-MODELS = {"llama": dict(), "qwen3-sliding": dict(family="qwen3", use_sliding_window=True, sliding_window=4,
-                                                  max_window_layers=2)}
+# the 128-slot caches below need 128 positions
+MODELS = {"llama": dict(max_position_embeddings=128),
+          "qwen3-sliding": dict(family="qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=2,
+                                max_position_embeddings=128)}
 TAPS = (1, 3, N)
 
 
@@ -74,8 +65,6 @@ def test_stacked_cache_equals_per_layer_cache(name, layout):
 def test_stacked_cache_on_the_pallas_path():
     """TPU programs: a prefill longer than STACKED_XLA_ROWS attends on the decode kernel reading a
     layer of the stacked cache by index; the decode and verify steps on XLA's path."""
-    from specjax.models.target import STACKED_XLA_ROWS
-
     model = tiny(**MODELS["qwen3-sliding"])
     with kt.pallas_interpret():
         P = STACKED_XLA_ROWS + 8
@@ -99,7 +88,7 @@ def test_decode_kernel_reads_a_layer_of_a_stacked_cache():
 
 
 def test_the_setting_and_what_keeps_a_per_layer_cache(monkeypatch):
-    model = tiny()
+    model = tiny(**MODELS["llama"])
     monkeypatch.setenv("SPECJAX_CPU_KERNELS", "0")
     from specjax import placement
 

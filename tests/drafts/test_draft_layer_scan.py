@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from specjax.models.drafts import load_draft
-from specjax.models.target import draft_layer_scan, layer_scan, recording_layer_scans
+from specjax.models.layer_scan import draft_layer_scan, layer_scan, recording_layer_scans
 from tests.drafts.conftest import TOL, rel_err
 from tests.refs.spec_forward import reference
 

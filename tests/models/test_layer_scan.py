@@ -1,5 +1,5 @@
 """A target forward without a KV cache with its layers under ``lax.scan`` (TPU and GPU programs'
-default, :func:`specjax.models.target.scan_layers_on`) equals the unrolled forward (the CPU's):
+default, :func:`specjax.models.layer_scan.scan_layers_on`) equals the unrolled forward (the CPU's):
 logits and every tap, with padding, packed segments, sliding-window layers and on the Pallas path
 (interpret mode); and the scanned program compiles fewer layer bodies."""
 
@@ -16,7 +16,8 @@ from flax import nnx
 from specjax import placement
 from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
-from specjax.models.target import build_model, layer_runs, layer_scan, scan_layers_on, use_layer_scan
+from specjax.models.layer_scan import layer_runs, layer_scan, scan_layers_on, use_layer_scan
+from specjax.models.target import build_model
 
 N = 6
 

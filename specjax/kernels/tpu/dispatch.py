@@ -145,15 +145,16 @@ def _decode(q, k, v, lo, hi, mesh, kw, return_lse: bool = False, layer=None):
     act = P(bs, None, hs, None)
     cache = act if kw.get("seq_major") else P(bs, hs, None, None)
     out_specs = (act, P(bs, None, hs)) if return_lse else act
-    if layer is not None:
+    extra, extra_specs = (), ()
+    if layer is not None:  # the layer axis unsplit, the index replicated
         cache = P(None, bs, hs, None, None)
-        return jax.shard_map(lambda q, k, v, lo, hi, layer: decode_attention(q, k, v, lo, hi, return_lse=return_lse,
-                                                                             layer=layer, **kw),
-                             mesh=mesh, in_specs=(act, cache, cache, P(bs, None), P(bs, None), P()),
-                             out_specs=out_specs, check_vma=False)(q, k, v, lo, hi, jnp.asarray(layer, jnp.int32))
-    return jax.shard_map(lambda q, k, v, lo, hi: decode_attention(q, k, v, lo, hi, return_lse=return_lse, **kw),
-                         mesh=mesh, in_specs=(act, cache, cache, P(bs, None), P(bs, None)), out_specs=out_specs,
-                         check_vma=False)(q, k, v, lo, hi)
+        extra, extra_specs = (jnp.asarray(layer, jnp.int32),), (P(),)
+
+    def call(q, k, v, lo, hi, *layer):
+        return decode_attention(q, k, v, lo, hi, return_lse=return_lse, layer=layer[0] if layer else None, **kw)
+
+    return jax.shard_map(call, mesh=mesh, in_specs=(act, cache, cache, P(bs, None), P(bs, None)) + extra_specs,
+                         out_specs=out_specs, check_vma=False)(q, k, v, lo, hi, *extra)
 
 
 def tree_rows_attention(q, k, v, q_pos, tree_mask, *, scale: float | None = None, window: int | None = None):

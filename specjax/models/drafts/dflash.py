@@ -41,7 +41,7 @@ from specjax.models.drafts.verifier_weights import VerifierFill
 from specjax.models.drafts.vocab import draft_to_target
 from specjax.models.layers import RMSNorm, attend, dense
 from specjax.models.rope import apply_rope, rope_cos_sin
-from specjax.models.target import draft_layer_scan, layer_runs, log_layer_scan, scan_run
+from specjax.models.layer_scan import draft_layer_scan, layer_runs, log_layer_scan, scan_run
 
 
 def _block_layer(layer, noise, kc, vc, qcos, qsin, m, pallas: bool):
@@ -144,8 +144,8 @@ class DFlashDraft(TargetTaps, nnx.Module):
     def _train_blocks(self, noise, ctx, ccos, csin, qcos, qsin, masks_by_window):
         """The training forward's layers: each layer projects the shared context to its K/V and runs
         the blocks against them, one layer at a time, or, where the layer scan is on
-        (:func:`specjax.models.target.draft_layer_scan`), each run of alike layers (same sliding
-        window) under one ``lax.scan`` (:func:`specjax.models.target.scan_run`: the same math)."""
+        (:func:`specjax.models.layer_scan.draft_layer_scan`), each run of alike layers (same sliding
+        window) under one ``lax.scan`` (:func:`specjax.models.layer_scan.scan_run`: the same math)."""
         windows, n = self.spec.windows, len(self.layers)
         pallas = kt.attention_impl() == "pallas"
         runs = layer_runs(n, (), windows) if draft_layer_scan(n) else [(i, i + 1) for i in range(n)]
