@@ -236,3 +236,24 @@ ENTRY %main (a: f32[256], b: f32[256]) -> f32[256] {
     assert [i.name for i in comps["main"].insts] == ["a", "b", "k", "n", "s"]
     assert comps["main"].by_name()["k"].op == "custom-call"
     assert hbm.hbm_bytes(kernel) == 1024 * (2 + 2 + 3)  # kernel, negate: read + write; add: two reads + write
+
+
+def test_a_kernel_declaring_its_bytes_is_charged_them_where_they_are_less():
+    """A Mosaic kernel reading a layer of a stacked [L, ...] cache by a prefetched index takes the
+    whole stack as its operand: it is charged the ``bytes_accessed`` of its cost estimate (the
+    decode kernel's: every slot of one layer), never more than its whole operands and result."""
+    def hlo(declared):
+        return f"""HloModule m
+
+ENTRY %main (i: s32[1], kv: bf16[32,8,1,4096,128], q: bf16[8,1,4,128]) -> bf16[8,1,4,128] {{
+  %i = s32[1]{{0}} parameter(0)
+  %kv = bf16[32,8,1,4096,128]{{4,3,2,1,0}} parameter(1)
+  %q = bf16[8,1,4,128]{{3,2,1,0}} parameter(2)
+  ROOT %k = bf16[8,1,4,128]{{3,2,1,0}} custom-call(%i, %q, %kv), custom_call_target="tpu_custom_call", backend_config={{"custom_call_config": {{"cost_estimate":{{"flops":"1","transcendentals":"0","bytes_accessed":"{declared}"}}}}}}
+}}
+"""
+    whole = 4 + 32 * 8 * 4096 * 128 * 2 + 2 * (8 * 4 * 128 * 2)
+    one_layer = 8 * 4096 * 128 * 2
+    assert hbm.hbm_bytes(hlo(one_layer)) == one_layer
+    assert hbm.hbm_bytes(hlo(10 * whole)) == whole
+    assert hbm.hbm_bytes(hlo(1).replace("bytes_accessed", "other")) == whole

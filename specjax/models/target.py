@@ -246,15 +246,10 @@ def _scan_layers(layers, x, cos, sin, mode, taps, aux, K=None, V=None):
     for a, b in runs:
         if a in taps:
             aux[a] = carry[0] if stacked_cache else carry
-        if mode.uses_mask(stacked_cache):
+        if not mode.pallas:
             mode.mask(layers[a].sliding_window)  # built once, outside the scan body
         carry = scan_run(layers, a, b, carry, step, indexed=True)
     return carry
-
-
-#: queries per sequence up to which a forward over a stacked cache attends on XLA's path in a TPU
-#: program (decode steps, verifies); longer ones (prefills) take the Pallas decode kernel
-STACKED_XLA_ROWS = 64
 
 
 def _tree_and_positions(input_ids, positions, cache, segments, tree_mask):
@@ -361,21 +356,13 @@ class _Mode:
             return kt.tpu_attention(q, k, v, mask_spec=spec, scale=attn.scaling), k, v
         return attend(q, k, v, self.mask(w), scale=attn.scaling), k, v
 
-    def uses_mask(self, stacked_cache: bool) -> bool:
-        """Whether this forward's layers attend on XLA's masked path (the mask is then built once,
-        outside a layer scan): off the Pallas path, and over a stacked cache for up to
-        :data:`STACKED_XLA_ROWS` queries (:meth:`_attend_stacked`)."""
-        return not self.pallas or (stacked_cache and self.kind == "cache" and self.q_pos.shape[1] <= STACKED_XLA_ROWS)
-
     def _attend_stacked(self, attn, q, K, V, w, l):
-        """One layer's attention over layer ``l`` of a stacked cache ``K``/``V`` (its rows written)."""
-        if self.pallas and q.shape[1] > STACKED_XLA_ROWS:
-            # a prefill: the decode kernel reads layer l's visible blocks (no [T, S] scores); its operand,
-            # the whole stacked cache, is copied once per layer, small beside a prefill's matmuls
+        """One layer's attention over layer ``l`` of a stacked cache ``K``/``V`` (its rows written).
+        On the Pallas path the decode kernel reads that layer's visible blocks by the prefetched
+        index: its operand is the whole stack, which the compiler neither copies nor reads beyond
+        the blocks the index maps name (``plan`` charges it the layer's slots, its declared cost)."""
+        if self.pallas:
             return kt.cache_attention(q, K, V, *kt.position_ranges(self.positions, w), scale=attn.scaling, layer=l)
-        # a decode step or a verify: XLA's masked attention over layer l, on TPU too. The compiler reads the
-        # layer's slice where it lies; the kernel's operand, the whole stacked cache, would be copied every
-        # layer (Llama-3.1-8B, v5e-8, B=8: a step moved 19.1 GB of HBM on the kernel, 2.4 GB on XLA's path)
         kl, vl = K[l], V[l]
         if panels.attention_fits(attn.q_proj, q, kl):
             return panels.decode_attention(q, kl, vl, self.positions, window=w, scale=attn.scaling)

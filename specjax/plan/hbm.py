@@ -27,8 +27,12 @@ memory space (``S(n)``, n > 0, is on-chip: VMEM, SMEM, semaphores). Per instruct
   direction=LT``, the counter starting at 0: a scan over layers), else once (as ``cost_analysis``
   counts every body: a decode loop's trip count is not static); a ``call`` its callee, a
   ``conditional`` every branch (an upper bound);
-* a Mosaic kernel (``tpu_custom_call``) is charged its whole HBM operands and results: an upper
-  bound (the decode attention kernel reads only the visible cache blocks).
+* a Mosaic kernel (``tpu_custom_call``) is charged its whole HBM operands and results, or the
+  bytes its cost estimate declares (``bytes_accessed``, which the decode attention kernel gives:
+  every slot of the one layer it attends) where that is less: a kernel reading a layer of a stacked
+  ``[L, ...]`` cache by a prefetched index takes the whole stack as its operand, yet its block
+  index maps read only that layer (the compiler copies nothing: no ``copy`` of the stack appears
+  in the HLO).
 
 Layout tiling padding is ignored (shapes are counted at their logical size).
 """
@@ -49,6 +53,7 @@ _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                "replica-id", "iota", "opt-barrier", "add-dependency"}
 _PARTIAL_READS = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # op -> operand index of the update written
+_DECLARED = re.compile(r'bytes_accessed\\?"\s*:\s*\\?"?(\d+)')
 
 
 @dataclass
@@ -307,7 +312,12 @@ def _count(comp: Computation, comps: dict[str, Computation], shapes: dict[str, s
             parts = arrays(inst.shape)
             total += parts[-1][0] if parts and parts[-1][1] == 0 else 0.0
             continue
-        total += sum(in_hbm(shapes.get(o, "")) for o in inst.operands) + in_hbm(inst.shape)
+        whole = sum(in_hbm(shapes.get(o, "")) for o in inst.operands) + in_hbm(inst.shape)
+        if op == "custom-call" and "tpu_custom_call" in inst.attrs:
+            declared = _DECLARED.search(inst.attrs)
+            if declared:
+                whole = min(whole, float(declared.group(1)))
+        total += whole
     return total
 
 
