@@ -111,20 +111,18 @@ def test_online_train_step_is_the_train_step_plus_an_extraction(v5e):
 def test_extract_attention_memory_does_not_grow_with_t_squared(cfg):
     """Extraction compiled for v5e (8B widths, 2 layers) attends on the flash kernel and holds no
     [T, T] scores: at 4096 tokens its temporaries stay under one layer's float32 scores of the
-    chip's 4 query heads (256 MiB), and from 2048 to 4096 tokens they grow less than 8x (XLA's
-    attention here: 36 -> 395 MiB, 11x; the kernel: 37 -> 172 MiB)."""
-    a, b = (plan(cfg, "v5e:2x4", programs="extract", target_overrides=LAYERS, seq=T)[0] for T in (2048, 4096))
-    for r in (a, b):
-        assert r.compiled, r.error
-        assert r.custom_calls.get("tpu_custom_call", 0) > 0
+    chip's 4 query heads (256 MiB; XLA's attention here: 395 MiB at 4096 tokens, 36 at 2048, 11x for
+    twice the tokens; the kernel: 172 MiB, 37 at 2048). A 2048-token twin is no longer compiled: the
+    bound at 4096 already tells the two apart (with it the test took 38-52 s in suite runs; alone,
+    without it, 11.5 s)."""
+    (b,) = plan(cfg, "v5e:2x4", programs="extract", target_overrides=LAYERS, seq=4096)
+    assert b.compiled, b.error
+    assert b.custom_calls.get("tpu_custom_call", 0) > 0
     assert b.temp_gib * 1024 < 256, b.temp_gib
-    assert b.temp_gib < 8 * a.temp_gib, (a.temp_gib, b.temp_gib)
     # the kernel's flops (a custom call XLA counts as 0) are in the count: per chip 4 query heads of
-    # 128 dims, 512 x 512 blocks, the causal triangle's non-empty blocks (2048: 10 of 16; 4096: 36 of
-    # 64), two layers
-    for r, blocks in ((a, 10), (b, 36)):
-        assert r.kernel_flops == 4 * r.shape["rows"] * 4 * blocks * 512 * 512 * 128 * 2, (r.kernel_flops, blocks)
-        assert r.flops > r.kernel_flops
+    # 128 dims, 512 x 512 blocks, the causal triangle's non-empty blocks (36 of 64), two layers
+    assert b.kernel_flops == 4 * b.shape["rows"] * 4 * 36 * 512 * 512 * 128 * 2, b.kernel_flops
+    assert b.flops > b.kernel_flops
     # HBM traffic counts the whole program (the kernel's multi-line attributes end no computation):
     # more than the two layers' weights per chip plus the 4096-token residual stream written per layer
     assert b.hbm_bytes > 2 * 218_112_000 * 2 / 8 + 2 * 4096 * 4096 * 2, b.hbm_bytes
