@@ -117,23 +117,18 @@ def shared_prefix_prefill(model: CausalLM, prompt_ids, prompt_lens, cache: KVCac
     S = int(prefix)
     if not 0 < S < P:
         raise ValueError(f"shared_prefix {S} must lie in (0, {P}): the padded prompt length")
-    if cache.stacked:  # [L, B, Hkv, S, D]
-        one = KVCache(cache.k[:, :1], cache.v[:, :1], jnp.zeros((1,), jnp.int32))
-    else:
-        one = KVCache(tuple(a[:1] for a in cache.k), tuple(a[:1] for a in cache.v), jnp.zeros((1,), jnp.int32))
+    # a layer's cache [B, Hkv, S, D] or a stacked one [L, B, Hkv, S, D]: batch is the 4th axis from the end
+    one = KVCache(*(jax.tree.map(lambda a: a[..., :1, :, :, :], c) for c in (cache.k, cache.v)),
+                  jnp.zeros((1,), jnp.int32))
     head = model(prompt_ids[:1, :S], positions=jnp.arange(S, dtype=jnp.int32)[None], cache=one, tap_ids=tap_ids,
                  return_logits=False)
 
-    def fill(a, h):  # row 0's prefix slots into every row (a layer [B, Hkv, S, D] or a stacked cache)
+    def fill(a, h):  # row 0's prefix slots into every row
         h = h[..., :S, :]
         return jax.lax.dynamic_update_slice_in_dim(a, jnp.broadcast_to(h, a.shape[:-2] + h.shape[-2:]).astype(a.dtype),
                                                    0, axis=a.ndim - 2)
 
-    if cache.stacked:
-        k, v = fill(cache.k, head.cache.k), fill(cache.v, head.cache.v)
-    else:
-        k = tuple(map(fill, cache.k, head.cache.k))
-        v = tuple(map(fill, cache.v, head.cache.v))
+    k, v = jax.tree.map(fill, cache.k, head.cache.k), jax.tree.map(fill, cache.v, head.cache.v)
     cache = KVCache(k, v, jnp.full((B,), S, jnp.int32))
     lens = prompt_lens.astype(jnp.int32)
     pos = jnp.broadcast_to(S + jnp.arange(P - S, dtype=jnp.int32), (B, P - S))

@@ -153,8 +153,8 @@ def decode_layer_scan(model) -> bool:
     """Whether the decode loops (generate, the speculative chain) keep the target's KV cache
     stacked (:class:`specjax.models.target.KVCache` ``stacked``) and run the cached forwards' layers under ``lax.scan``
     (one compiled layer body per run of alike layers; the cache is the scan's carry, each layer
-    writes its rows in place and attends its slice on XLA's path; the loops stack the layers'
-    weights once, :func:`stack_layer_runs`): only with the layer scan setting ``on``
+    writes its rows in place and attends its layer, in TPU programs on the Pallas decode kernel
+    reading the layer by index; the loops stack the layers' weights once, :func:`stack_layer_runs`): only with the layer scan setting ``on``
     (``SPECJAX_SCAN_LAYERS=1`` / ``plan --scan-layers on``; ``auto`` and ``off`` unroll), never in
     the CPU panel view (whose native kernels take each layer's weights and cache as they lie).
     Llama-3.1-8B on v5e-8, tensor=8 (docs/plan-kernels.md): the loops compile 1.3-4x faster and a

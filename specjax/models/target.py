@@ -347,31 +347,21 @@ class _Mode:
             return attend(q, k, v, self.mask(w), scale=attn.scaling), nk, nv
         if self.kind in ("cache", "tree"):
             nk, nv = write_cache(ck, self.slots, k, layer=layer), write_cache(cv, self.slots, v, layer=layer)
-            if layer is not None:
-                return self._attend_stacked(attn, q, nk, nv, w, layer), nk, nv
-            return self._attend_cache(attn, ck, cv, q, k, v, nk, nv, w), nk, nv
+            return self._attend_cache(attn, ck, cv, q, k, v, nk, nv, w, layer), nk, nv
         if self.pallas:  # packed rows: a sequence's tokens are contiguous, so causal within a segment is exact
             spec = kt.causal(window=w, segment_ids=self.seg) if self.seg is not None else \
                 kt.causal(window=w, kv_valid=self.kv_valid)
             return kt.tpu_attention(q, k, v, mask_spec=spec, scale=attn.scaling), k, v
         return attend(q, k, v, self.mask(w), scale=attn.scaling), k, v
 
-    def _attend_stacked(self, attn, q, K, V, w, l):
-        """One layer's attention over layer ``l`` of a stacked cache ``K``/``V`` (its rows written).
-        On the Pallas path the decode kernel reads that layer's visible blocks by the prefetched
-        index: its operand is the whole stack, which the compiler neither copies nor reads beyond
-        the blocks the index maps name (``plan`` charges it the layer's slots, its declared cost)."""
-        if self.pallas:
-            return kt.cache_attention(q, K, V, *kt.position_ranges(self.positions, w), scale=attn.scaling, layer=l)
-        kl, vl = K[l], V[l]
-        if panels.attention_fits(attn.q_proj, q, kl):
-            return panels.decode_attention(q, kl, vl, self.positions, window=w, scale=attn.scaling)
-        return attend_cache(q, kl, vl, self.mask(w), scale=attn.scaling)
-
-    def _attend_cache(self, attn, ck, cv, q, rows_k, rows_v, k, v, w):
+    def _attend_cache(self, attn, ck, cv, q, rows_k, rows_v, k, v, w, layer=None):
         """One layer's attention over the cache: the kernel that fits. ``ck``/``cv``: the layer's
         cache before this forward; ``rows_k``/``rows_v``: this forward's own K/V rows; ``k``, ``v``:
-        the cache with them written."""
+        the cache with them written. ``layer``: ``k``/``v`` are a stacked cache [L, B, Hkv, S, D]
+        (never a tree's) and layer ``layer`` is attended; the Pallas decode kernel reads that
+        layer's visible blocks by the prefetched index (its operand is the whole stack, which the
+        compiler neither copies nor reads beyond the blocks the index maps name; ``plan`` charges
+        the kernel its declared bytes, the layer's slots)."""
         T = q.shape[1]
         if self.kind == "tree":
             if self.pallas:
@@ -386,7 +376,10 @@ class _Mode:
                                              scale=attn.scaling)
             return attend_cache(q, k, v, self.mask(w), scale=attn.scaling)
         if self.pallas:  # reads only the cache blocks at or before each query's position
-            return kt.cache_attention(q, k, v, *kt.position_ranges(self.positions, w), scale=attn.scaling)
+            return kt.cache_attention(q, k, v, *kt.position_ranges(self.positions, w), scale=attn.scaling,
+                                      layer=layer)
+        if layer is not None:
+            k, v = k[layer], v[layer]
         if panels.attention_fits(attn.q_proj, q, k):
             return panels.decode_attention(q, k, v, self.positions, window=w, scale=attn.scaling)
         return attend_cache(q, k, v, self.mask(w), scale=attn.scaling)

@@ -84,9 +84,7 @@ def kv_cache_sharding(mesh: Mesh, cache):
     def ln(x):
         return NamedSharding(mesh, P(BATCH if x.shape[0] % nb == 0 else None))
 
-    if getattr(cache, "stacked", False):
-        return type(cache)(kv(cache.k), kv(cache.v), ln(cache.lengths))
-    return type(cache)(tuple(kv(x) for x in cache.k), tuple(kv(x) for x in cache.v), ln(cache.lengths))
+    return type(cache)(jax.tree.map(kv, cache.k), jax.tree.map(kv, cache.v), ln(cache.lengths))
 
 
 def constrain_cache(cache, mesh: Mesh):
