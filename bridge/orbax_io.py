@@ -63,14 +63,20 @@ def _drop_closed_loop_callbacks() -> None:
 
     hook._specjax_closed_loop_filter = True
     sys.unraisablehook = hook
-    # the same reads' futures, when collected before the loop closes, log "Future exception was
-    # never retrieved" through asyncio's logger instead (with tensorstore's error): dropped too
+    # the same reads' futures (or the tasks wrapping them), when collected before the loop closes,
+    # log "Future exception was never retrieved" ("Task exception ...") through asyncio's logger
+    # instead, with tensorstore's error: dropped too
     logging.getLogger("asyncio").addFilter(_unread_tensorstore_future)
 
 
+_UNREAD = ("Future exception was never retrieved", "Task exception was never retrieved")
+
+
 def _unread_tensorstore_future(record: logging.LogRecord) -> bool:
-    """False (drop) for asyncio's "Future exception was never retrieved" about a tensorstore read."""
-    if not str(record.msg).startswith("Future exception was never retrieved"):
+    """False (drop) for asyncio's "Future/Task exception was never retrieved" about a tensorstore
+    read (which of the two depends on whether the garbage collector reaches the orphaned future or
+    the task awaiting it first)."""
+    if not str(record.msg).startswith(_UNREAD):
         return True
     exc = record.exc_info[1] if record.exc_info else None
     return not (exc is not None and "tensorstore_spec" in str(exc))
