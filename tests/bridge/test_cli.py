@@ -164,7 +164,7 @@ def test_failed_check_of_an_unreadable_orbax_output_is_one_message(spec_ckpts, t
     assert os.listdir(tmp_path / "out") == []  # no DST, no temp dir beside it
 
 
-def test_unread_tensorstore_errors_are_dropped_from_asyncio_logs_whether_future_or_task(capsys):
+def test_unread_tensorstore_errors_are_dropped_from_asyncio_logs_whether_future_or_task():
     """asyncio logs an orphaned tensorstore read as "Future exception was never retrieved" or, when
     the collector reaches the task awaiting it first, "Task exception was never retrieved" (seen
     once in CI): both are dropped once an Orbax read was set up; any other asyncio error still
