@@ -66,13 +66,13 @@ def _drop_closed_loop_callbacks() -> None:
     # the same reads' futures (or the tasks wrapping them), when collected before the loop closes,
     # log "Future exception was never retrieved" ("Task exception ...") through asyncio's logger
     # instead, with tensorstore's error: dropped too
-    logging.getLogger("asyncio").addFilter(_unread_tensorstore_future)
+    logging.getLogger("asyncio").addFilter(_unread_tensorstore_error)
 
 
 _UNREAD = ("Future exception was never retrieved", "Task exception was never retrieved")
 
 
-def _unread_tensorstore_future(record: logging.LogRecord) -> bool:
+def _unread_tensorstore_error(record: logging.LogRecord) -> bool:
     """False (drop) for asyncio's "Future/Task exception was never retrieved" about a tensorstore
     read (which of the two depends on whether the garbage collector reaches the orphaned future or
     the task awaiting it first)."""
