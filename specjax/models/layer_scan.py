@@ -1,8 +1,10 @@
 """Target (and multi-layer draft) layers under ``lax.scan``: the setting (``SPECJAX_SCAN_LAYERS``,
 :func:`layer_scan`), where a forward's layers split into runs of alike layers (:func:`layer_runs`),
-a run's weights stacked and scanned (:func:`scan_run`), and the decode loops' stacks built once
-per program (:func:`stack_layer_runs`, :func:`using_stacked_layers`). The forwards themselves are
-in :mod:`specjax.models.target` and :mod:`specjax.models.drafts.dflash`."""
+a run's weights stacked and scanned (:func:`scan_run`), a target's layers stored stacked from load
+(:class:`StackedLayers`, :func:`stack_layers`, scanned as they lie by :func:`scan_stacked`), and a
+per-layer target's stacks built once per decode program (:func:`stack_layer_runs`,
+:func:`using_stacked_layers`). The forwards themselves are in :mod:`specjax.models.target` and
+:mod:`specjax.models.drafts.dflash`."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from specjax import placement
 from specjax.kernels.tpu.dispatch import ambient_mesh
@@ -87,6 +91,8 @@ def _scan_pays(layer, x) -> bool:
 
 
 def use_layer_scan(layers, x) -> bool:
+    if isinstance(layers, StackedLayers):  # stored stacked: scanning copies nothing
+        return True
     on = scan_layers_on()
     return bool(on) if on is not None else _scan_pays(layers[0], x)
 
@@ -112,6 +118,135 @@ def layer_runs(num_layers: int, taps: Sequence[int], windows: Sequence[int | Non
     cuts.update(i for i in range(1, num_layers) if windows[i] != windows[i - 1])
     c = sorted(cuts)
     return list(zip(c[:-1], c[1:]))
+
+
+class StackedLayers(nnx.Module):
+    """A target's decoder layers held stacked, as :func:`stack_layers` leaves them: one module per
+    run of alike layers (``runs``: ``[a, b)``, cut where the sliding window changes) whose params
+    carry a leading layer axis (state paths ``model.layers.stacked.<run>.<param>``; the sharding
+    rules put ``None`` on that axis). Forwards scan these stacks as they lie
+    (:func:`scan_stacked`), so no program stacks the weights again; ``layers[i]`` (and iterating)
+    gives layer ``i`` as a module of slices, for the code that walks layers one by one (a slice
+    per use: the token-tree verify's per-layer cache, a self-draft's first layers)."""
+
+    def __init__(self, mods, runs, windows):
+        self.runs = tuple((int(a), int(b)) for a, b in runs)
+        self.windows = tuple(windows)
+        self.stacked = nnx.List(mods)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def run_of(self, i: int) -> int:
+        for r, (a, b) in enumerate(self.runs):
+            if a <= i < b:
+                return r
+        raise IndexError(f"layer {i} of {len(self)}")
+
+    def __getitem__(self, i: int):
+        i = int(i) + (len(self) if int(i) < 0 else 0)
+        r = self.run_of(i)
+        graphdef, state = nnx.split(self.stacked[r])
+        return nnx.merge(graphdef, jax.tree.map(lambda x: x[i - self.runs[r][0]], state))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def stacked_layers(model) -> bool:
+    """Whether ``model`` (a target) holds its layers stacked (:func:`stack_layers`)."""
+    return isinstance(model.model.layers, StackedLayers)
+
+
+def stack_on_load() -> bool:
+    """Whether loading a target stores its layers stacked (:func:`stack_layers`): with the layer
+    scan setting ``on`` (``SPECJAX_SCAN_LAYERS=1``), whose forwards and decode loops scan them."""
+    return scan_setting() == "on"
+
+
+def _stack_leaves(xs, donate: bool):
+    """One param of a run's layers stacked on a new leading axis: abstract leaves
+    (``ShapeDtypeStruct``) stay abstract, host arrays stack on the host, device arrays on their
+    devices in their sharding with the layer axis unsplit (``donate``: each layer's own buffer is
+    freed as soon as the stack exists, so stacking a loaded model holds one param's stack extra,
+    not a second model)."""
+    x0 = xs[0]
+    sharding = getattr(x0, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    if isinstance(x0, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(xs), *x0.shape), x0.dtype, sharding=sharding)
+    if not isinstance(x0, jax.Array):
+        return np.stack([np.asarray(x) for x in xs])
+    if isinstance(sharding, NamedSharding):
+        out = jax.jit(lambda *a: jnp.stack(a), out_shardings=sharding)(*xs)
+    else:
+        out = jnp.stack(xs)
+    if donate:
+        for x in xs:
+            x.delete()
+    return out
+
+
+def stack_layers(model, *, donate: bool = False):
+    """Store ``model``'s (a target's) decoder layers stacked, in place: ``model.model.layers``
+    becomes a :class:`StackedLayers` of one module per run of alike layers (cut where the sliding
+    window changes), each param stacked once (:func:`_stack_leaves`: abstract, host or device
+    arrays, shardings kept with the layer axis unsplit). ``donate``: free each layer's buffers as
+    its stack is made (what a loader does: peak one param's stack over the model, not two
+    models). Forwards and decode loops then scan the stacks without copying them; the math is the
+    per-layer one. Returns ``model``; a model already stacked is returned as it is."""
+    layers = model.model.layers
+    if isinstance(layers, StackedLayers):
+        return model
+    windows = [la.sliding_window for la in layers]
+    runs = layer_runs(len(layers), (), windows)
+    mods = []
+    for a, b in runs:
+        graphdef = nnx.graphdef(layers[a])
+        states = [nnx.state(layers[i]) for i in range(a, b)]
+        mods.append(nnx.merge(graphdef, jax.tree.map(lambda *xs: _stack_leaves(xs, donate), *states)))
+    model.model.layers = StackedLayers(mods, runs, windows)
+    return model
+
+
+def scan_stacked(layers: StackedLayers, carry, step, taps: Sequence[int], x_of=lambda c: c):
+    """``carry`` through every layer of ``layers`` (stacked), each run one ``lax.scan`` over its
+    stacks as they lie, ``step(layer, carry, i)`` (``i`` the layer's int32 index). Returns
+    ``(carry, {tap id < L: x_of(carry) entering that layer})``: a tap at a run's start is read
+    before the scan; taps inside a run are written by the scan body into a buffer (a
+    ``lax.cond`` at those layers only) instead of cutting the run, since the stacks are stored
+    whole."""
+    got = {}
+    for r, (a, b) in enumerate(layers.runs):
+        graphdef, state = nnx.split(layers.stacked[r])
+        if a in taps:
+            got[a] = x_of(carry)
+        inner = [t for t in sorted(set(taps)) if a < t < b]
+        idx = jnp.arange(a, b, dtype=jnp.int32)
+        if not inner:
+            def body(c, xs):
+                st, i = xs
+                return step(nnx.merge(graphdef, st), c, i), None
+
+            carry = jax.lax.scan(body, carry, (state, idx))[0]
+            continue
+        slots = jnp.asarray([inner.index(i) if i in inner else -1 for i in range(a, b)], jnp.int32)
+        x0 = x_of(carry)
+        buf = jnp.zeros((len(inner), *x0.shape), x0.dtype)
+
+        def body_taps(c, xs):
+            c, buf = c
+            st, i, s = xs
+            x = x_of(c)
+            buf = jax.lax.cond(s >= 0, lambda bb: jax.lax.dynamic_update_index_in_dim(bb, x, jnp.maximum(s, 0), 0),
+                               lambda bb: bb, buf)
+            return (step(nnx.merge(graphdef, st), c, i), buf), None
+
+        (carry, buf), _ = jax.lax.scan(body_taps, (carry, buf), (state, idx, slots))
+        for j, t in enumerate(inner):
+            got[t] = buf[j]
+    return carry, got
 
 
 def stack_run(layers, a: int, b: int):
@@ -151,16 +286,21 @@ def log_layer_scan(runs) -> None:
 
 def decode_layer_scan(model) -> bool:
     """Whether the decode loops (generate, the speculative chain) keep the target's KV cache
-    stacked (:class:`specjax.models.target.KVCache` ``stacked``) and run the cached forwards' layers under ``lax.scan``
-    (one compiled layer body per run of alike layers; the cache is the scan's carry, each layer
-    writes its rows in place and attends its layer, in TPU programs on the Pallas decode kernel
-    reading the layer by index; the loops stack the layers' weights once, :func:`stack_layer_runs`): only with the layer scan setting ``on``
-    (``SPECJAX_SCAN_LAYERS=1`` / ``plan --scan-layers on``; ``auto`` and ``off`` unroll), never in
-    the CPU panel view (whose native kernels take each layer's weights and cache as they lie).
-    Llama-3.1-8B on v5e-8, tensor=8 (docs/plan-kernels.md): the loops compile 1.3-4x faster and a
-    step or a k=3 round moves the unrolled one's HBM bytes or fewer, but the stacked weights are a
-    second copy of the layers (peak +1.8 to +3.1 GiB per chip), so it is a choice, not ``auto``'s.
-    Token trees keep a per-layer cache (their verify compacts it)."""
+    stacked (:class:`specjax.models.target.KVCache` ``stacked``) and run the cached forwards' layers
+    under ``lax.scan`` (one compiled layer body per run of alike layers; the cache is the scan's
+    carry, each layer writes its rows in place and attends its layer, in TPU programs on the Pallas
+    decode kernel reading the layer by index): always for a target whose layers are stored stacked
+    (:func:`stack_layers`, what loading does under ``SPECJAX_SCAN_LAYERS=1``); for a per-layer
+    target only with the setting ``on`` and never in the CPU panel view (whose native kernels take
+    each layer's weights and cache as they lie), the loops then stacking its weights once
+    (:func:`stack_layer_runs`: a second copy of the layers for the program's life).
+    Llama-3.1-8B on v5e-8, tensor=8, stored stacked (docs/plan-kernels.md): the loops compile
+    2-5x faster than unrolled, a step or a k=3 round moves the unrolled one's HBM bytes or fewer,
+    and the peak is the unrolled loop's or lower (1.88 against 3.19 GiB for generate at B=1).
+    Token trees keep a per-layer cache (their verify compacts it; a stored stack is read layer by
+    layer there)."""
+    if stacked_layers(model):  # stored stacked (:func:`stack_layers`): scanned whatever the setting
+        return model.config.num_hidden_layers > 1
     if scan_setting() != "on" or model.config.num_hidden_layers < 2:
         return False
     return not isinstance(model.model.layers[0].self_attn.q_proj.kernel.get_value(), panels.Paneled)
@@ -176,6 +316,8 @@ def stack_layer_runs(model, tap_ids: Sequence[int] = ()) -> dict:
     these instead of stacking the weights again every step (one copy of the layers' weights for
     the program's life)."""
     layers = model.model.layers
+    if isinstance(layers, StackedLayers):  # stored stacked: nothing to build
+        return {}
     runs = layer_runs(len(layers), tuple(int(t) for t in tap_ids), [la.sliding_window for la in layers])
     return {f"{a}-{b}": stack_run(layers, a, b) for a, b in runs if b - a > 1}
 

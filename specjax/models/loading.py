@@ -36,6 +36,7 @@ from specjax.models.config import TargetConfig
 from specjax.models.errors import DefaultModelMissingError, TargetNotFoundError
 from specjax.models.gguf import load_gguf, read_gguf
 from specjax.models.hf import load_hf_dir
+from specjax.models.layer_scan import stack_layers, stack_on_load
 from specjax.models.params import param_paths
 from specjax.models.target import CausalLM
 from specjax.models.tokenizer import Tokenizer
@@ -119,11 +120,22 @@ def resolve_target(target: str | os.PathLike | None, *, download: bool | None = 
 
 
 def load_target(target: str | os.PathLike | None = None, *, dtype=None, cache_dir: str | os.PathLike | None = None,
-                progress: bool = True, place=None, download: bool | None = None) -> LoadedTarget:
+                progress: bool = True, place=None, download: bool | None = None,
+                stacked: bool | None = None) -> LoadedTarget:
     """Load a target model and its tokenizer. ``dtype`` None keeps the checkpoint dtype
     (float32 for dequantised GGUF); 'float32' / 'bfloat16' / 'float16' cast. ``place(path, view)
     -> jax.Array`` puts each parameter on its device(s) (``specjax.sharding.load_target``).
-    ``download``: fetch a repo id that is not in the local HF cache (None: ``SPECJAX_ALLOW_DOWNLOAD``)."""
+    ``download``: fetch a repo id that is not in the local HF cache (None: ``SPECJAX_ALLOW_DOWNLOAD``).
+    ``stacked``: store the decoder layers stacked as they are loaded
+    (:func:`specjax.models.layer_scan.stack_layers`: one copy of the weights, which every forward and
+    decode loop then scans); None: with the layer scan setting ``on`` (``SPECJAX_SCAN_LAYERS=1``)."""
+    loaded = _load_target(target, dtype=dtype, cache_dir=cache_dir, progress=progress, place=place, download=download)
+    if stack_on_load() if stacked is None else stacked:
+        stack_layers(loaded.model, donate=True)  # each layer's buffers freed as its stack is made
+    return loaded
+
+
+def _load_target(target, *, dtype, cache_dir, progress, place, download) -> LoadedTarget:
     kind, path = resolve_target(target, download=download)
     if kind in ("hf_dir", "hf_cache"):
         model = load_hf_dir(path, dtype=dtype, place=place)

@@ -43,7 +43,7 @@ from flax import nnx
 from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
 from specjax.models.errors import ContextLengthError, TapIdError, UnknownArchitectureError
-from specjax.models.layer_scan import layer_runs, log_layer_scan, scan_run, use_layer_scan
+from specjax.models.layer_scan import StackedLayers, layer_runs, log_layer_scan, scan_run, scan_stacked, use_layer_scan
 from specjax.models import panels
 from specjax.models.layers import (INIT_STD, DecoderLayer, Embed, RMSNorm, attend, attend_cache, causal_mask, dense,
                                    tree_cache_mask, write_cache, write_packed)
@@ -233,7 +233,8 @@ def _scan_layers(layers, x, cos, sin, mode, taps, aux, K=None, V=None):
     is ``x``; over a stacked cache (``K``/``V`` [L, B, Hkv, S, D]) it is ``(x, K, V)``, each layer
     writing its rows into its slice in place. Same math as the unrolled loop, per layer. Returns
     ``x``, or ``(x, K, V)``."""
-    runs = layer_runs(len(layers), taps, [layer.sliding_window for layer in layers])
+    stored = isinstance(layers, StackedLayers)
+    runs = layers.runs if stored else layer_runs(len(layers), taps, [layer.sliding_window for layer in layers])
     log_layer_scan(runs)
     stacked_cache = K is not None
 
@@ -243,6 +244,13 @@ def _scan_layers(layers, x, cos, sin, mode, taps, aux, K=None, V=None):
         return _layer_step(layer, c[0], cos, sin, mode, c[1], c[2], i)
 
     carry = (x, K, V) if stacked_cache else x
+    if stored:  # the layers held stacked (stack_layers): each stored run scanned as it lies
+        if not mode.pallas:
+            for w in set(layers.windows):
+                mode.mask(w)  # built once, outside the scans
+        carry, got = scan_stacked(layers, carry, step, taps, (lambda c: c[0]) if stacked_cache else (lambda c: c))
+        aux.update(got)
+        return carry
     for a, b in runs:
         if a in taps:
             aux[a] = carry[0] if stacked_cache else carry

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 from typing import Callable
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 import jax.numpy as jnp
 from flax import nnx
 
@@ -35,7 +34,7 @@ from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
 from specjax.models.drafts.load import build_draft
 from specjax.models.layers import first_argmax
-from specjax.models.layer_scan import decode_layer_scan, layer_scan, stack_layer_runs, using_stacked_layers
+from specjax.models.layer_scan import decode_layer_scan, layer_scan, stack_layers, stack_on_load
 from specjax.models.target import KVCache, build_model
 from specjax.train.algorithms.base import trainable_filter_for
 from specjax.train.draft_doc import draft_config_doc
@@ -113,9 +112,12 @@ def _abstract(module, rules, mesh):
 
 
 def abstract_target(p: PlanInputs):
+    """The recipe's target as abstract params sharded by the target rules; its layers stored
+    stacked where a loaded target's would be (:func:`specjax.models.layer_scan.stack_on_load`)."""
     model = build_model(p.target, param_dtype=p.target_dtype, abstract=True)
     graphdef, state = _abstract(model, shd.TARGET_RULES, p.mesh)
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    return stack_layers(model) if stack_on_load() else model
 
 
 def _target_stub(p: PlanInputs):
@@ -263,24 +265,6 @@ def _decode_state(p: PlanInputs, Bp: int, max_len: int, cache_dtype, stacked: bo
     return shd.abstract_with_shardings(st, sh), sh
 
 
-def _stacked_runs(mesh, graphdef, state, module_of, taps):
-    """The decode layer scan's stacked layer runs (:func:`specjax.models.layer_scan.stack_layer_runs`)
-    of the target in ``state`` as abstract inputs with their shardings (each layer param's own, the
-    new leading axis unsplit): a loop builds them once before its ``while_loop``, so its step
-    program takes them as arguments. ``({}, {})`` without the scan."""
-    target = module_of(nnx.merge(graphdef, state))
-    if not decode_layer_scan(target):
-        return {}, {}
-    stacks = jax.eval_shape(lambda st: stack_layer_runs(module_of(nnx.merge(graphdef, st)), taps), state)
-
-    def sharding_of(key):
-        src = nnx.state(target.model.layers[int(key.split("-")[0])])
-        return jax.tree.map(lambda x: NamedSharding(mesh, PartitionSpec(None, *x.sharding.spec)), src)
-
-    sh = {key: sharding_of(key) for key in stacks}
-    return shd.abstract_with_shardings(stacks, sh), sh
-
-
 def generate_program(p: PlanInputs) -> Program:
     """The generate loop (``sharded_generate_fn``: prefill + ``while_loop``) and one decode step."""
     mesh = p.mesh
@@ -296,19 +280,18 @@ def generate_program(p: PlanInputs) -> Program:
     st, st_sh = _decode_state(p, Bp, max_len, cdt, stacked=decode_layer_scan(target))
     rep = shd.replicated(mesh)
 
-    stacks, stacks_sh = _stacked_runs(mesh, graphdef, params, lambda m: m, ())
+    # with the decode layer scan the target's layers are stored stacked (abstract_target), so the
+    # step scans its params as they lie: no stacks of its own
 
-    def step(params, stacks, s, eos):
+    def step(params, s, eos):
         with placement.building_for(mesh):
-            model = nnx.merge(graphdef, params)
-            with using_stacked_layers(model, stacks or None):
-                return decode_step(model, s, eos, sampling=GREEDY, pad_id=b.pad, mesh=mesh)
+            return decode_step(nnx.merge(graphdef, params), s, eos, sampling=GREEDY, pad_id=b.pad, mesh=mesh)
 
-    step_j = jax.jit(step, in_shardings=(shd.shardings_of(params), stacks_sh, st_sh, rep), out_shardings=st_sh,
-                     donate_argnums=(2,))
+    step_j = jax.jit(step, in_shardings=(shd.shardings_of(params), st_sh, rep), out_shardings=st_sh,
+                     donate_argnums=(1,))
     return Program("generate", {"batch": int(b.ids.shape[0]), "prompt": b.padded_len, "new_tokens": int(p.new_tokens),
                                 "cache_slots": int(max_len)}, full,
-                   step_lower=lambda: step_j.lower(params, stacks, st, inputs[4]), tokens=int(b.ids.shape[0]))
+                   step_lower=lambda: step_j.lower(params, st, inputs[4]), tokens=int(b.ids.shape[0]))
 
 
 def _abstract_pair(p: PlanInputs):
@@ -352,21 +335,17 @@ def speculate_program(p: PlanInputs) -> Program:
                       _batch_or_rep(mesh, st.hist), ())
     st = shd.abstract_with_shardings(st, st_sh)
 
-    taps = tuple(draft.tap_ids(p.target.num_hidden_layers))
-    stacks, stacks_sh = _stacked_runs(mesh, graphdef, state, lambda pair: pair.target, taps)
-
-    def round_(state, stacks, s, eos, relax):
+    def round_(state, s, eos, relax):
         with placement.building_for(mesh):
             pair = nnx.merge(graphdef, state)
-            with using_stacked_layers(pair.target, stacks or None):
-                return spec_round(pair.target, pair.draft, s, eos, relax, params=params, pad_id=b.pad, mesh=mesh)
+            return spec_round(pair.target, pair.draft, s, eos, relax, params=params, pad_id=b.pad, mesh=mesh)
 
-    round_j = jax.jit(round_, in_shardings=(shd.shardings_of(state), stacks_sh, st_sh, rep, rep), out_shardings=st_sh,
-                      donate_argnums=(2,))
+    round_j = jax.jit(round_, in_shardings=(shd.shardings_of(state), st_sh, rep, rep), out_shardings=st_sh,
+                      donate_argnums=(1,))
     B = int(b.ids.shape[0])
     return Program("speculate", {"batch": B, "prompt": P, "new_tokens": new, "k": k, "cache_slots": max_len,
                                  "draft": p.cfg.speculator_type}, full,
-                   step_lower=lambda: round_j.lower(state, stacks, st, inputs[4], relax), tokens=B * (k + 1),
+                   step_lower=lambda: round_j.lower(state, st, inputs[4], relax), tokens=B * (k + 1),
                    notes=[f"tokens per round at full acceptance: batch x (k + 1) = {B * (k + 1)}"])
 
 

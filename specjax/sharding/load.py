@@ -152,12 +152,14 @@ def check_target(config, rules: "PartitionRules | Iterable" = TARGET_RULES, mesh
 
 def load_target(target=None, mesh=None, *, rules: "PartitionRules | Iterable" = TARGET_RULES, dtype=None,
                 cache_dir: str | os.PathLike | None = None, progress: bool = True,
-                on_slice: Callable[[str, Any, int], None] | None = None):
+                on_slice: Callable[[str, Any, int], None] | None = None, stacked: bool | None = None):
     """``specjax.models.loading.load_target`` with every parameter placed by ``rules`` on ``mesh``
     (a Mesh, or a preset / file / inline spec for :func:`specjax.sharding.make_mesh`).
 
     HF directories (and cached GGUFs) are read slice by slice from the memory map, in every
-    process at once; all processes must call this with the same arguments."""
+    process at once; all processes must call this with the same arguments. ``stacked``: see
+    :func:`specjax.models.loading.load_target` (the stacks keep each param's sharding, the layer
+    axis unsplit)."""
     from specjax.models.loading import load_target as _load, resolve_target  # heavy: flax and the model code
 
     mesh = _mesh(mesh)
@@ -166,7 +168,7 @@ def load_target(target=None, mesh=None, *, rules: "PartitionRules | Iterable" = 
     if kind in ("hf_dir", "hf_cache"):
         check_target(TargetConfig.from_file(Path(path) / "config.json"), rules, mesh)
     return _load(target, dtype=dtype, cache_dir=cache_dir, progress=progress and _main(),
-                 place=slice_loader(mesh, rules, dtype, on_slice))
+                 place=slice_loader(mesh, rules, dtype, on_slice), stacked=stacked)
 
 
 def _main() -> bool:

@@ -188,6 +188,16 @@ def check_spec(path: str, shape: Sequence[int], spec: P, mesh) -> str | None:
     return None
 
 
+_STACKED = re.compile(r"(^|\.)layers\.stacked\.\d+\.")
+
+
+def stacked_spec(path: str, spec: P) -> P:
+    """A rule's spec for the leaf at ``path``: a target's layers held stacked
+    (``model.layers.stacked.<run>.``, :func:`specjax.models.layer_scan.stack_layers`) carry a
+    leading layer axis, left unsplit, before the per-layer spec."""
+    return P(None, *spec) if _STACKED.search(path) else spec
+
+
 def spec_for(path: str, shape: Sequence[int], rules: PartitionRules, mesh=None) -> P:
     """The PartitionSpec of one leaf, checked against ``mesh`` if given; raises on a problem."""
     specs, problems = _resolve([(path, tuple(shape))], as_rules(rules), mesh)
@@ -207,10 +217,11 @@ def _resolve(leaves, rules: PartitionRules, mesh):
             problems.append((path, shape, None, "no rule matches"))
             specs.append(None)
             continue
-        why = check_spec(path, shape, rule.spec, mesh) if mesh is not None else None
+        spec = stacked_spec(path, rule.spec)
+        why = check_spec(path, shape, spec, mesh) if mesh is not None else None
         if why:
             problems.append((path, shape, rule, why))
-        specs.append(rule.spec)
+        specs.append(spec)
     return specs, problems
 
 

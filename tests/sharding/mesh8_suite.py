@@ -137,6 +137,29 @@ def test_generate_ids_with_a_mesh_places_an_unsharded_model(ref):
     assert shd.mesh_of(ref["model"]) is None  # the model itself is untouched
 
 
+@pytest.mark.parametrize("sizes", [(1, 1, 8), (2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
+def test_target_loaded_stacked_on_a_mesh(sizes, ckpts, ref):
+    """``load_target(..., stacked=True)`` (what ``SPECJAX_SCAN_LAYERS=1`` does): each layer param
+    stacked on its devices in its rule's sharding with the layer axis unsplit, the same logits and
+    the same greedy tokens as the single-device per-layer model."""
+    from specjax.decode.generate import generate_ids
+
+    mesh = shd.make_mesh(sizes)
+    lt = shd.load_target(ckpts["target"], mesh, progress=False, stacked=True)
+    n = 0
+    for path, var in nnx.to_flat_state(nnx.state(lt.model)):
+        name, a = shd.path_str(path), var.get_value()
+        spec = shd.TARGET_RULES.match(name).spec
+        if ".layers.stacked." in name:
+            spec, n = P(None, *spec), n + 1
+            assert a.shape[0] == 2, name  # the 2 layers of one run
+        assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec), a.ndim), (name, a.sharding, spec)
+    assert n >= 9
+    logits = forward_fn(lt.model, mesh, lambda m, ids: m(ids).logits)(ref["ids"])
+    np.testing.assert_allclose(logits, ref["logits"], **TOL)
+    assert generate_ids(lt.model, PROMPTS, max_new_tokens=6, eos_token_ids=[]).tokens == ref["tokens"]
+
+
 def test_sampling_and_eos_match_single_device(ckpts, ref):
     from specjax.decode.generate import generate_ids
     from specjax.decode.sampling import SamplingParams
