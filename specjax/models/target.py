@@ -248,7 +248,8 @@ def _scan_layers(layers, x, cos, sin, mode, taps, aux, K=None, V=None):
         if not mode.pallas:
             for w in set(layers.windows):
                 mode.mask(w)  # built once, outside the scans
-        carry, got = scan_stacked(layers, carry, step, taps, (lambda c: c[0]) if stacked_cache else (lambda c: c))
+        carry, got = scan_stacked(layers, carry, step, taps, (lambda c: c[0]) if stacked_cache else (lambda c: c),
+                                  cut_at_taps=not stacked_cache)
         aux.update(got)
         return carry
     for a, b in runs:
