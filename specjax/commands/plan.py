@@ -39,10 +39,11 @@ def plan_cmd(
     layers: Optional[int] = typer.Option(None, "--layers", min=1, help="scale the target down to this many layers"),
     overrides: List[str] = typer.Option([], "--set", help="recipe override KEY=VALUE (repeatable)"),
     scan_layers: Optional[str] = typer.Option(None, "--scan-layers",
-                                              help="target forwards without a KV cache (extract, train-online): off "
-                                              "(unrolled layers), on (lax.scan) or auto (scan where a layer's "
-                                              "residual stream outweighs its weights per chip); default "
-                                              "$SPECJAX_SCAN_LAYERS, else off"),
+                                              help="the target's layers: off (unrolled), on (stored stacked as "
+                                              "loading stores them under SPECJAX_SCAN_LAYERS=1; every forward "
+                                              "and the decode loops under lax.scan) or auto (forwards without a "
+                                              "KV cache scan where a layer's residual stream outweighs its "
+                                              "weights per chip); default $SPECJAX_SCAN_LAYERS, else off"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON list of objects"),
 ):
     """Compile the recipe's programs for a TPU topology without a TPU (libtpu: pip install

@@ -127,7 +127,7 @@ class StackedLayers(nnx.Module):
     rules put ``None`` on that axis). Forwards scan these stacks as they lie
     (:func:`scan_stacked`), so no program stacks the weights again; ``layers[i]`` (and iterating)
     gives layer ``i`` as a module of slices, for the code that walks layers one by one (a slice
-    per use: the token-tree verify's per-layer cache, a self-draft's first layers)."""
+    per use: a per-layer KV cache, a self-draft's first layers)."""
 
     def __init__(self, mods, runs, windows):
         self.runs = tuple((int(a), int(b)) for a, b in runs)
@@ -308,10 +308,10 @@ def decode_layer_scan(model) -> bool:
     each layer's weights and cache as they lie), the loops then stacking its weights once
     (:func:`stack_layer_runs`: a second copy of the layers for the program's life).
     Llama-3.1-8B on v5e-8, tensor=8, stored stacked (docs/plan-kernels.md): the loops compile
-    2-5x faster than unrolled, a step or a k=3 round moves the unrolled one's HBM bytes or fewer,
+    3-9x faster than unrolled, a step or a k=3 round moves the unrolled one's HBM bytes or fewer,
     and the peak is the unrolled loop's or lower (1.88 against 3.19 GiB for generate at B=1).
-    Token trees keep a per-layer cache (their verify compacts it; a stored stack is read layer by
-    layer there)."""
+    The token-tree loop keeps its cache stacked only for a target stored stacked (its verify
+    attends a layer of the stack by index and its compaction moves every layer's rows at once)."""
     if stacked_layers(model):  # stored stacked (:func:`stack_layers`): scanned whatever the setting
         return model.config.num_hidden_layers > 1
     if scan_setting() != "on" or model.config.num_hidden_layers < 2:

@@ -192,9 +192,6 @@ class CausalLM(nnx.Module):
         aux = {}
         new_k, new_v = [], []
         if cache is not None and cache.stacked:
-            if mode.kind == "tree":
-                raise ValueError("a tree verify (tree_mask) writes a per-layer KV cache: build it with "
-                                 "KVCache.init(..., stacked=False)")
             x, new_k, new_v = _scan_layers(self.model.layers, x, cos, sin, mode, taps, aux, cache.k, cache.v)
         elif cache is None and n > 1 and use_layer_scan(self.model.layers, x):
             x = _scan_layers(self.model.layers, x, cos, sin, mode, taps, aux)
@@ -366,8 +363,8 @@ class _Mode:
     def _attend_cache(self, attn, ck, cv, q, rows_k, rows_v, k, v, w, layer=None):
         """One layer's attention over the cache: the kernel that fits. ``ck``/``cv``: the layer's
         cache before this forward; ``rows_k``/``rows_v``: this forward's own K/V rows; ``k``, ``v``:
-        the cache with them written. ``layer``: ``k``/``v`` are a stacked cache [L, B, Hkv, S, D]
-        (never a tree's) and layer ``layer`` is attended; the Pallas decode kernel reads that
+        the cache with them written. ``layer``: ``k``/``v`` (and ``ck``/``cv``) are a stacked cache
+        [L, B, Hkv, S, D] and layer ``layer`` is attended; the Pallas decode kernel reads that
         layer's visible blocks by the prefetched index (its operand is the whole stack, which the
         compiler neither copies nor reads beyond the blocks the index maps name; ``plan`` charges
         the kernel its declared bytes, the layer's slots)."""
@@ -377,9 +374,14 @@ class _Mode:
                 # the committed blocks of the cache as it was (the write does not touch them) on the kernel,
                 # the tree's own rows beside (rounded to the cache's dtype, as the cache holds them): the
                 # attention does not wait on the cache update
-                return kt.tree_cache_attention(q, ck, cv, rows_k.astype(ck.dtype), rows_v.astype(cv.dtype),
+                # a stacked cache: the written stack (the kernel reads only committed slots, which the
+                # write leaves as they were), so that the stack before the write need not live beside it
+                kc, vc = (ck, cv) if layer is None else (k, v)
+                return kt.tree_cache_attention(q, kc, vc, rows_k.astype(kc.dtype), rows_v.astype(vc.dtype),
                                                self.cache.lengths, self.positions, self.tree_mask, window=w,
-                                               scale=attn.scaling)
+                                               scale=attn.scaling, layer=layer)
+            if layer is not None:
+                k, v = k[layer], v[layer]
             if panels.attention_fits(attn.q_proj, q, k) and panels.tree_fits(w, T):
                 return panels.tree_attention(q, k, v, self.positions, self.cache.lengths, self.tree_mask, window=w,
                                              scale=attn.scaling)

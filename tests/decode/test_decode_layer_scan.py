@@ -7,6 +7,8 @@ speculative chain loops give the unrolled loops' tokens."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,10 +97,6 @@ def test_the_setting_and_what_keeps_a_per_layer_cache(monkeypatch):
         for where in ("cpu", "tpu"):
             with layer_scan(setting), placement.building_for(where):
                 assert decode_layer_scan(model) is want
-    # a token-tree verify writes a per-layer cache (its compaction moves each layer's rows)
-    cache = KVCache.init(model.config, 1, 64, stacked=True)
-    with pytest.raises(ValueError, match="per-layer KV cache"):
-        model(jnp.zeros((1, 3), jnp.int32), cache=cache, tree_mask=jnp.tril(jnp.ones((3, 3), bool)))
 
 
 def test_generate_and_speculative_chain_loops_give_the_unrolled_tokens(monkeypatch):
@@ -126,3 +124,37 @@ def test_generate_and_speculative_chain_loops_give_the_unrolled_tokens(monkeypat
     jax.clear_caches()
     assert scanned == unrolled
     assert scanned[0] == scanned[1]  # greedy speculation is lossless
+
+
+def tree_round(model, stacked: bool):
+    """A prefill, a token-tree verify (4 nodes: two siblings at depth 1) with taps, and the
+    compaction of an accepted path (root, node 2, node 3) over a cache ``stacked`` or not."""
+    from specjax.decode.tree import compact_cache
+
+    @nnx.jit
+    def run(m):
+        cache = KVCache.init(m.config, 2, 128, stacked=stacked)
+        ids = jnp.array([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+        _, cache, _ = prefill(m, ids, jnp.array([6, 4], jnp.int32), cache)
+        L = cache.lengths
+        tm = jnp.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)
+        out = m(jnp.array([[20, 21, 22, 23], [24, 25, 26, 27]]), cache=cache, tree_mask=tm, tap_ids=TAPS)
+        path = jnp.array([[0, 2, 3], [0, 1, -1]], jnp.int32)
+        c = compact_cache(out.cache, L, path, jnp.array([2, 1], jnp.int32))
+        K, V = (c.k, c.v) if stacked else (jnp.stack(c.k), jnp.stack(c.v))
+        return [out.logits, *out.aux_hidden_states, K, V, c.lengths]
+
+    return run(model)
+
+
+@pytest.mark.parametrize("pallas", [False, True], ids=["xla", "pallas"])
+def test_tree_verify_and_compaction_over_a_stacked_cache(pallas):
+    """The token tree's verify (the Pallas path reads a layer of the stacked cache by index) and
+    its cache compaction (every layer at once) equal the per-layer cache's."""
+    from specjax.models.layer_scan import stack_layers
+
+    model = tiny(**MODELS["qwen3-sliding"])
+    stored = stack_layers(nnx.clone(model))
+    ctx = kt.pallas_interpret() if pallas else contextlib.nullcontext()
+    with ctx:
+        assert_same(tree_round(stored, True), tree_round(model, False))

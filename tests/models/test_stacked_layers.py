@@ -82,7 +82,7 @@ def test_cached_forwards_equal_the_per_layer_model(name, layout):
 
 
 def test_a_per_layer_cache_reads_the_stacks_layer_by_layer():
-    """A token-tree verify keeps a per-layer cache: the stacked model walks its layers as slices."""
+    """A forward over a per-layer cache (a caller's own): the stacked model walks its layers as slices."""
     model = tiny(**MODELS["llama"])
     s = stacked_copy(model)
     from specjax.models.target import KVCache

@@ -178,19 +178,21 @@ def tree_rows_attention(q, k, v, q_pos, tree_mask, *, scale: float | None = None
 
 
 def tree_cache_attention(q, k, v, new_k, new_v, lengths, q_pos, tree_mask, *, scale: float | None = None,
-                         window: int | None = None, mesh=None, interpret: bool = False, **block_kw):
+                         window: int | None = None, mesh=None, interpret: bool = False, layer=None, **block_kw):
     """A token-tree verify on the Pallas path: q [B, T, Hq, D] of the T tree nodes (rope positions
     ``q_pos`` int [B, T]), the heads-major cache k, v [B, Hkv, S, D] whose committed slots are
     ``< lengths`` (int [B]), the nodes' own K/V ``new_k``/``new_v`` [B, T, Hkv, D], and
     ``tree_mask`` as :func:`specjax.models.layers.tree_cache_mask` takes it. The committed part
     runs on the decode kernel (each node: slots ``[max(q_pos - window + 1, 0), lengths - 1]``,
     only those blocks read), the tree part in :func:`tree_rows_attention`; the two merge through
-    their log-sum-exps. Equal to XLA's masked attention over ``tree_cache_mask``."""
+    their log-sum-exps. Equal to XLA's masked attention over ``tree_cache_mask``. ``layer`` (int32):
+    k, v are a stacked cache [L, B, Hkv, S, D] and that layer is read, in place."""
     mesh = ambient_mesh(mesh)
     interpret = interpret or _INTERPRET.get()
     B, T = q.shape[:2]
     lo = jnp.zeros((B, T), jnp.int32) if window is None else jnp.maximum(q_pos - (window - 1), 0).astype(jnp.int32)
     hi = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32)[:, None] - 1, (B, T))
-    o_c, lse_c = _decode(q, k, v, lo, hi, mesh, dict(scale=scale, interpret=interpret, **block_kw), return_lse=True)
+    o_c, lse_c = _decode(q, k, v, lo, hi, mesh, dict(scale=scale, interpret=interpret, **block_kw), return_lse=True,
+                         layer=layer)
     o_t, lse_t = tree_rows_attention(q, new_k, new_v, q_pos, tree_mask, scale=scale, window=window)
     return merge_attention(o_c, lse_c, o_t, lse_t)
