@@ -112,7 +112,7 @@ def test_decode_loops_give_the_per_layer_models_tokens(cpu_kernels, monkeypatch)
     assert decode_layer_scan(s) and not decode_layer_scan(model)  # scanned whatever the setting
     prompts = [[3, 4, 5, 6, 7], [9, 8, 7]]
 
-    def run(m):
+    def run(m):  # the stacked target's generate, chain and tree loops
         g = generate_ids(m, prompts, max_new_tokens=10, eos_token_ids=[]).tokens
         c = speculative_generate_ids(m, SelfDraft(m, num_layers=3, speculative_tokens=3), prompts,
                                      max_new_tokens=10, eos_token_ids=[]).tokens
@@ -123,9 +123,8 @@ def test_decode_loops_give_the_per_layer_models_tokens(cpu_kernels, monkeypatch)
     with recording_layer_scans() as log:
         got = run(s)
     assert log, "the stacked target's loops did not scan"
-    want = run(model)
-    assert got == want
-    assert got[0] == got[1] == got[2]  # greedy speculation is lossless
+    # greedy speculation is lossless, so all three equal the per-layer target's own greedy tokens
+    assert got[0] == got[1] == got[2] == generate_ids(model, prompts, max_new_tokens=10, eos_token_ids=[]).tokens
 
 
 def test_rules_put_the_layer_axis_unsplit():
