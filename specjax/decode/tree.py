@@ -374,7 +374,7 @@ def compact_cache(cache, base, path, num_accepted):
     """Keep the accepted path of a tree verify as consecutive cache rows.
 
     ``cache``: a target :class:`~specjax.models.target.KVCache` (k / v: layers x [B, Hkv, S, D], or
-    stacked [L, B, Hkv, S, D], every layer moved at once) after a tree verify wrote node i at slot ``base + i``; base int32 [B]: the committed length
+    stacked [L, B, Hkv, S, D], moved layer by layer in a loop) after a tree verify wrote node i at slot ``base + i``; base int32 [B]: the committed length
     before the verify; path int32 [B, D+1], num_accepted int32 [B]: from the accept rule. Returns
     the cache with slot ``base + j`` holding node ``path[:, j]``'s K/V for j <= n and lengths
     ``base + n + 1`` (root and accepted nodes; slots past that are stale, never read)."""

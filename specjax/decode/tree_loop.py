@@ -65,7 +65,7 @@ from specjax.decode.tree_draft import (
 )
 from specjax.kernels import tpu as kt
 from specjax.models import panels
-from specjax.models.layer_scan import decode_layer_scan, stacked_layers
+from specjax.models.layer_scan import tree_layer_scan
 from specjax.models.target import CausalLM
 
 
@@ -121,7 +121,7 @@ def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
     dec, aux = start(target, prompt_ids, prompt_lens, limits, key, eos_ids, max_new_tokens=max_new_tokens,
                      max_len=max_len, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, tap_ids=taps,
                      packed_len=packed_len, prefill_chunk=prefill_chunk, mesh=mesh,
-                     stacked=stacked_layers(target) and decode_layer_scan(target))
+                     stacked=tree_layer_scan(target))
     nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.full((B, 1), pad_id, prompt_ids.dtype)], axis=1)
     nxt = nxt.at[jnp.arange(B), prompt_lens - 1].set(dec.last.astype(prompt_ids.dtype))
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))

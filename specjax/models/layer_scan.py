@@ -310,13 +310,21 @@ def decode_layer_scan(model) -> bool:
     Llama-3.1-8B on v5e-8, tensor=8, stored stacked (docs/plan-kernels.md): the loops compile
     3-9x faster than unrolled, a step or a k=3 round moves the unrolled one's HBM bytes or fewer,
     and the peak is the unrolled loop's or lower (1.88 against 3.19 GiB for generate at B=1).
-    The token-tree loop keeps its cache stacked only for a target stored stacked (its verify
-    attends a layer of the stack by index and its compaction moves every layer's rows at once)."""
+    The token-tree loop keeps its cache stacked only for a target stored stacked
+    (:func:`tree_layer_scan`)."""
     if stacked_layers(model):  # stored stacked (:func:`stack_layers`): scanned whatever the setting
         return model.config.num_hidden_layers > 1
     if scan_setting() != "on" or model.config.num_hidden_layers < 2:
         return False
     return not isinstance(model.model.layers[0].self_attn.q_proj.kernel.get_value(), panels.Paneled)
+
+
+def tree_layer_scan(model) -> bool:
+    """Whether the token-tree loop keeps the target's KV cache stacked: only for a target stored
+    stacked (its verify attends a layer of the stack by index, its compaction moves the accepted
+    rows layer by layer, :func:`specjax.decode.tree.compact_cache`); a per-layer target keeps a
+    per-layer cache there whatever the setting."""
+    return stacked_layers(model) and decode_layer_scan(model)
 
 
 _PRESTACKED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("specjax_prestacked", default=None)

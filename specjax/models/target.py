@@ -374,10 +374,7 @@ class _Mode:
                 # the committed blocks of the cache as it was (the write does not touch them) on the kernel,
                 # the tree's own rows beside (rounded to the cache's dtype, as the cache holds them): the
                 # attention does not wait on the cache update
-                # a stacked cache: the written stack (the kernel reads only committed slots, which the
-                # write leaves as they were), so that the stack before the write need not live beside it
-                kc, vc = (ck, cv) if layer is None else (k, v)
-                return kt.tree_cache_attention(q, kc, vc, rows_k.astype(kc.dtype), rows_v.astype(vc.dtype),
+                return kt.tree_cache_attention(q, ck, cv, rows_k.astype(ck.dtype), rows_v.astype(cv.dtype),
                                                self.cache.lengths, self.positions, self.tree_mask, window=w,
                                                scale=attn.scaling, layer=layer)
             if layer is not None:

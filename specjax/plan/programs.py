@@ -34,7 +34,7 @@ from specjax.kernels import tpu as kt
 from specjax.models.config import TargetConfig
 from specjax.models.drafts.load import build_draft
 from specjax.models.layers import first_argmax
-from specjax.models.layer_scan import decode_layer_scan, layer_scan, stack_layers, stack_on_load, stacked_layers
+from specjax.models.layer_scan import decode_layer_scan, layer_scan, stack_layers, stack_on_load, tree_layer_scan
 from specjax.models.target import KVCache, build_model
 from specjax.train.algorithms.base import trainable_filter_for
 from specjax.train.draft_doc import draft_config_doc
@@ -400,7 +400,7 @@ def tree_program(p: PlanInputs) -> Program:
 
     Bp = inputs[0].shape[0]
     target = nnx.merge(graphdef, state).target
-    dec, dec_sh = _decode_state(p, Bp, max_len, cdt, stacked=stacked_layers(target) and decode_layer_scan(target))
+    dec, dec_sh = _decode_state(p, Bp, max_len, cdt, stacked=tree_layer_scan(target))
     dcache, dcache_sh = _draft_cache(p, draft, Bp, draft_len, ddt)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     C = tree.children.shape[1]
