@@ -130,7 +130,8 @@ class DataArgs(_Section):
 
 
 class LossArgs(_Section):
-    loss_fn: str | None = None
+    # a loss name, or weighted terms: a YAML mapping ({kl_div: 1.0, ce: 0.5}) or speculators' JSON string of one
+    loss_fn: str | dict[str, Any] | None = None
     ttt_steps: int = Field(3, ge=1)
     ttt_step_loss_decay: float = 1.0
 

@@ -130,6 +130,21 @@ def test_recipe_errors(tmp_path):
         load_recipe(None, ["loss_fn=kld"])
     with pytest.raises(RecipeError, match="dpace requires loss.loss_fn=ce"):
         load_recipe(None, ["speculator_type=dflash", "loss_fn=kl_div"])
+    # weighted terms: a YAML mapping, speculators' JSON string of one and --set's inline mapping are one spec
+    from specjax.train.losses import parse_loss_spec
+    p.write_text("loss:\n  loss_fn:\n    kl_div: 1.0\n    ce: 0.5\n")
+    as_mapping = load_recipe(p).loss.loss_fn
+    p.write_text("loss:\n  loss_fn: '{\"kl_div\": 1.0, \"ce\": 0.5}'\n")
+    as_json = load_recipe(p).loss.loss_fn
+    as_set = load_recipe(None, ["loss_fn={kl_div: 1.0, ce: 0.5}"]).loss.loss_fn
+    assert parse_loss_spec(as_mapping) == parse_loss_spec(as_json) == parse_loss_spec(as_set) == (
+        ("kl_div", 1.0), ("ce", 0.5))
+    p.write_text("loss:\n  loss_fn:\n    kl_div: heavy\n")
+    with pytest.raises(RecipeError, match=r"loss weight for 'kl_div' must be a number, got 'heavy'"):
+        load_recipe(p)
+    p.write_text("loss:\n  loss_fn:\n    kld: 1.0\n")
+    with pytest.raises(RecipeError, match=r"unknown loss 'kld' in the loss dict"):
+        load_recipe(p)
     with pytest.raises(RecipeError, match=r"--set: unknown key 'bogus'"):
         load_recipe(None, ["bogus=1"])
     c = load_recipe(None, ["speculator_type=dflash"])
