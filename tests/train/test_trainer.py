@@ -13,6 +13,7 @@ import pytest
 
 from specjax.train.config import load_recipe
 from specjax.train.errors import RecipeError, ResumeError, TrainError
+from specjax.train.losses import parse_loss_spec
 from specjax.train.step import TRACE_COUNT
 from specjax.train.trainer import Run
 from tests.train.conftest import TINY_AUX
@@ -131,7 +132,6 @@ def test_recipe_errors(tmp_path):
     with pytest.raises(RecipeError, match="dpace requires loss.loss_fn=ce"):
         load_recipe(None, ["speculator_type=dflash", "loss_fn=kl_div"])
     # weighted terms: a YAML mapping, speculators' JSON string of one and --set's inline mapping are one spec
-    from specjax.train.losses import parse_loss_spec
     p.write_text("loss:\n  loss_fn:\n    kl_div: 1.0\n    ce: 0.5\n")
     as_mapping = load_recipe(p).loss.loss_fn
     p.write_text("loss:\n  loss_fn: '{\"kl_div\": 1.0, \"ce\": 0.5}'\n")
