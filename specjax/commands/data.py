@@ -64,16 +64,21 @@ def prepare_cmd(
     set_: List[str] = typer.Option([], "--set", "-s", help="with --config: recipe override, key=value"),
     target: Optional[str] = typer.Option(None, "--target", "-t", help="'default', a .gguf, an HF dir or a cached repo "
                                          "id [default: the recipe's target, else 'default']"),
-    prompts: str = typer.Option("builtin:stdlib", "--prompts", "-p",
-                                help="builtin:<stdlib|stdlib-code|eval-code|eval-prose>[:<n>], "
-                                     "hf:<id>[:<config>][:<split>] (local HF datasets cache), a .jsonl/.json/.parquet/"
-                                     ".arrow file, a save_to_disk directory or a directory of such files"),
+    prompts: List[str] = typer.Option(["builtin:stdlib"], "--prompts", "-p",
+                                      help="builtin:<stdlib|stdlib-code|stdlib-source|eval-code|eval-prose>[:<n>], "
+                                           "hf:<id>[:<config>][:<split>] (local HF datasets cache), a .jsonl/.json/"
+                                           ".parquet/.arrow file, a save_to_disk directory or a directory of such "
+                                           "files; give it twice or more to mix sources (read in order)"),
     max_samples: Optional[int] = typer.Option(None, "--max-samples", min=1,
                                               help="use the first N prompt records (after --shuffle-seed)"),
     shuffle_seed: Optional[int] = typer.Option(None, "--shuffle-seed",
                                                help="shuffle the prompt records first (datasets' shuffle order)"),
     regenerate: bool = typer.Option(True, "--regenerate/--no-regenerate",
                                     help="let the target write the assistant turns (self-distillation)"),
+    keep_answers: bool = typer.Option(False, "--keep-answers",
+                                      help="with --regenerate: conversations that have an assistant turn are used as "
+                                           "given, only those with none are regenerated (a recipe's regenerate: "
+                                           "unanswered)"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -86,7 +91,8 @@ def prepare_cmd(
     hs_dtype: str = typer.Option("bfloat16", "--hidden-states-dtype", help="bfloat16 | float32"),
     batch_size: int = typer.Option(32, "--batch-size", min=1),
     compute_dtype: str = typer.Option("float32", "--compute-dtype",
-                                      help="float32 | bfloat16: the target's matmuls while it regenerates (bfloat16: "
+                                      help="float32 | bfloat16: the target's matmuls while it regenerates and "
+                                           "extracts hidden states (bfloat16: "
                                            "bf16 products, float32 sums; about 1.6x faster on a CPU with AVX512-BF16)"),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json"),
@@ -107,7 +113,9 @@ def prepare_cmd(
 
     The prompt input is read and every record checked before the target loads; a bad one exits
     with an error naming the file and the record, and nothing is written."""
-    flags = dict(prompts=prompts, regenerate=regenerate, max_new_tokens=max_new_tokens, temperature=temperature,
+    if keep_answers and regenerate:
+        regenerate = "unanswered"
+    flags = dict(prompts=prompts[0] if len(prompts) == 1 else list(prompts), regenerate=regenerate, max_new_tokens=max_new_tokens, temperature=temperature,
                  top_p=top_p, top_k=top_k, seq_length=seq_length, aux_layer_ids=aux_layer_ids,
                  hidden_states_dtype=hs_dtype, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
                  draft_vocab_size=draft_vocab_size, seed=seed, max_samples=max_samples, shuffle_seed=shuffle_seed,
@@ -265,8 +273,9 @@ def vocab_cmd(
 
 @data_app.command("prompts")
 def prompts_cmd(
-    name: str = typer.Argument("stdlib", help="stdlib | stdlib-code | eval-code | eval-prose"),
-    out: Path = typer.Option(..., "--out", "-o", help="JSONL file to write ({\"prompt\": ...} per line)"),
+    name: str = typer.Argument("stdlib", help="stdlib | stdlib-code | stdlib-source | eval-code | eval-prose"),
+    out: Path = typer.Option(..., "--out", "-o", help="JSONL file to write ({\"prompt\": ...} per line; "
+                             "{\"conversations\": [...]} for a set with answers)"),
     n: Optional[int] = typer.Option(None, "--n", min=1),
     seed: int = typer.Option(0, "--seed"),
 ):
@@ -277,7 +286,8 @@ def prompts_cmd(
         fail(e)
     with atomic_file(out, text=True) as f:
         for c in convs:
-            f.write(json.dumps({"prompt": c[0]["content"]}, ensure_ascii=False) + "\n")
+            rec = {"prompt": c[0]["content"]} if len(c) == 1 else {"conversations": c}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     console().print(f"{len(convs)} prompts -> {out}")
 
 

@@ -51,12 +51,28 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=False)
 
 
+def _prompt_source(v: str) -> str:
+    """One prompt source's syntax."""
+    if not v.strip():
+        raise ValueError("empty; expected builtin:<set>[:<n>], hf:<id>[:<config>][:<split>] or a path")
+    if v.startswith("builtin:"):
+        n = v.split(":")[2:]
+        if len(n) > 1 or (n and n[0] and not n[0].isdigit()):
+            raise ValueError(f"{v!r}: expected builtin:<set>[:<n>] with a positive integer n")
+    elif v.startswith("hf:"):
+        parse_hf_spec(v)
+    return v
+
+
 class PrepareArgs(_Section):
     """How ``data.path`` is built when it does not exist (``specjax data prepare`` settings)."""
 
-    prompts: str = Field("builtin:stdlib", description="builtin:<set>[:<n>], hf:<id>[:<config>][:<split>], a "
-                         ".jsonl/.json/.parquet/.arrow file, a save_to_disk directory or a directory of files")
-    regenerate: bool = True
+    prompts: str | list[str] = Field("builtin:stdlib", description="builtin:<set>[:<n>], hf:<id>[:<config>][:<split>], "
+                                     "a .jsonl/.json/.parquet/.arrow file, a save_to_disk directory or a directory "
+                                     "of files; a list of these is read in order and concatenated")
+    regenerate: bool | Literal["unanswered"] = Field(
+        True, description="true: the target writes every assistant turn; false: the conversations are used as "
+        "given; unanswered: only conversations with no assistant turn are regenerated, the others used as given")
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -67,25 +83,22 @@ class PrepareArgs(_Section):
     max_prompt_tokens: int = Field(512, ge=1)
     max_batch_tokens: int = Field(4096, ge=64)
     compute_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="the target's matmuls while it regenerates: bfloat16 = bf16 products with float32 "
-        "sums (the CPU kernels' vdpbf16ps; float32 elsewhere)")
+        "float32", description="the target's matmuls while it regenerates and extracts hidden states: bfloat16 = "
+        "bf16 products with float32 sums (the CPU kernels' vdpbf16ps, XLA's bf16 dot for a prefill; float32 elsewhere)")
     seed: int = 0
     max_samples: int | None = Field(None, ge=1, description="use the first N prompt records (after the shuffle)")
     shuffle_seed: int | None = Field(None, description="shuffle the prompt records first (datasets' shuffle order)")
 
     @field_validator("prompts")
     @classmethod
-    def _prompt_source(cls, v: str) -> str:
-        """The source's syntax (the files themselves are read when the data is built)."""
-        if not v.strip():
-            raise ValueError("empty; expected builtin:<set>[:<n>], hf:<id>[:<config>][:<split>] or a path")
-        if v.startswith("builtin:"):
-            n = v.split(":")[2:]
-            if len(n) > 1 or (n and n[0] and not n[0].isdigit()):
-                raise ValueError(f"{v!r}: expected builtin:<set>[:<n>] with a positive integer n")
-        elif v.startswith("hf:"):
-            parse_hf_spec(v)
-        return v
+    def _prompt_sources(cls, v: str | list[str]) -> str | list[str]:
+        """The sources' syntax (the files themselves are read when the data is built); a list of
+        one is that source."""
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("an empty list; expected one prompt source or more")
+            return [_prompt_source(x) for x in v] if len(v) > 1 else _prompt_source(v[0])
+        return _prompt_source(v)
 
 
 class DraftArgs(_Section):

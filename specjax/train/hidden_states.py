@@ -191,16 +191,23 @@ class TapFn:
         return self.jitted.lower(self.state, self._ids(ids))
 
 
-def make_tap_fn(model, layer_ids: Sequence[int], out_dtype, mesh=None) -> TapFn:
+def make_tap_fn(model, layer_ids: Sequence[int], out_dtype, mesh=None, *, compute: str = "float32") -> TapFn:
     """jitted ``ids [B, T] -> hidden [B, T, L, H]`` (right padding needs no mask: causal).
 
     With ``mesh`` the jit has explicit shardings: params as placed, ids split over
     ``("data", "fsdp")`` (B must be a multiple of ``data x fsdp``), output replicated (process 0
     writes it). ``ids`` is then a host array every process passes in full. ``model`` may be
-    abstract (params ``ShapeDtypeStruct`` with shardings): then only :meth:`TapFn.lower` applies."""
+    abstract (params ``ShapeDtypeStruct`` with shardings): then only :meth:`TapFn.lower` applies.
+
+    ``compute="bfloat16"``: the matmuls in bf16 with float32 sums where the CPU kernels apply
+    (:func:`specjax.models.panels.decode_state`, a single-device CPU model; float32 elsewhere)."""
     from flax import nnx
 
     graphdef, state = nnx.split(model)
+    if mesh is None and compute != "float32":
+        from specjax.models import panels
+
+        state = panels.decode_state(model, state, compute=compute)
     taps = tuple(int(i) for i in layer_ids)
     where = mesh if mesh is not None else placement.platform_of(state)
 
@@ -280,7 +287,7 @@ def _write_batches(fn: TapFn, rows: TokenRows, data_dir, todo: list[int], batche
 def extract_hidden_states(model, rows: TokenRows, data_dir: str | os.PathLike, *, aux_layer_ids: Sequence[int],
                           dtype: str = "bfloat16", max_batch_tokens: int = 4096, indices: Sequence[int] | None = None,
                           progress: bool = True, target_name: str = "", log: Callable[[str], None] | None = None,
-                          mesh=None) -> dict:
+                          mesh=None, compute: str = "float32") -> dict:
     """Write ``hs_{i}.safetensors`` for every row that lacks a complete file (resumable).
 
     ``model``: a specjax target (``CausalLM``). Returns ``{"written", "skipped", "tokens", "seconds"}``.
@@ -313,7 +320,7 @@ def extract_hidden_states(model, rows: TokenRows, data_dir: str | os.PathLike, *
     ctx = int(model.config.max_position_embeddings)
     lengths = _row_lengths(rows, todo, ctx)
     batches = plan_batches(lengths, max_tokens=max_batch_tokens)
-    fn = make_tap_fn(model, layer_ids, jnp.dtype(out_np), mesh)
+    fn = make_tap_fn(model, layer_ids, jnp.dtype(out_np), mesh, compute=compute)
     total = int(sum(lengths))
     t0 = time.perf_counter()
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc="hidden states", disable=not progress,

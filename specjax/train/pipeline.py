@@ -13,6 +13,12 @@ Two paths:
 * ``regenerate=False``: the given conversations are rendered (speculators' render-boundary
   masks, :mod:`specjax.train.render`) and the hidden states extracted afterwards
   (:func:`specjax.train.hidden_states.extract_hidden_states`, resumable per row).
+* ``regenerate="unanswered"``: both in one directory. Conversations with no assistant turn are
+  regenerated, the others rendered as given (a mix of prompt-only and answered sources, such as
+  ``builtin:stdlib`` and ``builtin:stdlib-source``); rows of both kinds are shuffled together.
+
+``compute_dtype="bfloat16"`` runs the target's matmuls in bf16 with float32 sums on both paths
+(regeneration and extraction), where the CPU kernels apply.
 
 The prompts are read and every record validated (:func:`specjax.train.prompts.read_prompts`:
 ``max_samples`` and ``shuffle_seed`` choose which) before anything is written: a bad input leaves no
@@ -59,13 +65,14 @@ from specjax.train.vocab import (
 
 FORMAT = "specjax-data-v1"
 STAGING = ".staging"
+UNANSWERED = "unanswered"  # DataSpec.regenerate: regenerate only the conversations with no assistant turn
 MARKERS = ("state.json", ds.META_NAME)  # a remote data directory's files that say "complete", uploaded last
 
 
 @dataclass
 class DataSpec:
-    prompts: str = "builtin:stdlib"
-    regenerate: bool = True
+    prompts: str | list[str] = "builtin:stdlib"  # a list: read in order and concatenated
+    regenerate: bool | str = True  # True | False | "unanswered" (module docstring)
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -84,7 +91,7 @@ class DataSpec:
     # False: no hidden-state cache (a recipe with data.online: true); regenerated rows keep their
     # token ids and text in hs_{i} files with empty states
     hidden_states: bool = True
-    compute_dtype: str = "float32"  # the target's matmuls while regenerating (selfdistill)
+    compute_dtype: str = "float32"  # the target's matmuls while regenerating (selfdistill) and extracting
     extra: dict = field(default_factory=dict)
 
 
@@ -214,8 +221,15 @@ def _regenerate(lt, convs: list[Conversation], data_dir: Path, spec: DataSpec, l
     return out, histories
 
 
+def _answered(conv: Conversation) -> bool:
+    return any(t["role"] == "assistant" for t in conv)
+
+
 def _check_inputs(out_dir, spec: DataSpec, lt, records: list[Record] | None):
     """The refusals before the directory is touched; returns the records, the aux and the cached layer ids."""
+    if spec.regenerate not in (True, False, UNANSWERED):
+        raise DatasetError(f"regenerate is {spec.regenerate!r}; expected true, false or {UNANSWERED!r}",
+                           key="regenerate", path=str(out_dir))
     if spec.regenerate and shd.process_count() > 1:
         raise DatasetError(f"regenerating answers runs in one process; this run has {shd.process_count()} "
                            "processes. Run `specjax data prepare` on one host (it uses all local devices), or "
@@ -258,12 +272,20 @@ def _row_sources(lt, convs: list[Conversation], pretok: list[PretokenizedRow], d
                  log, progress) -> tuple[list[tuple[str, object]], list[Conversation]]:
     """Where each row comes from (a staged regenerated turn, a rendered or pretokenized row)."""
     sources: list[tuple[str, object]] = []
-    regenerated = convs
+    regenerated, given = convs, convs
     if spec.regenerate and convs:
-        staged, regenerated = _regenerate(lt, convs, d, spec, layer_ids, log, progress)
-        sources += [("staged", p) for _, _, p in staged]
-    else:
-        for k, c in enumerate(convs):
+        ask = convs
+        if spec.regenerate == UNANSWERED:
+            ask = [c for c in convs if not _answered(c)]
+            given = [c for c in convs if _answered(c)]
+        else:
+            given = []
+        if ask:
+            staged, regenerated = _regenerate(lt, ask, d, spec, layer_ids, log, progress)
+            sources += [("staged", p) for _, _, p in staged]
+            regenerated = regenerated + given
+    if given:
+        for k, c in enumerate(given):
             try:
                 rows = conversation_rows(lt.tokenizer, c, max_length=spec.seq_length,
                                          minimum_valid_tokens=spec.minimum_valid_tokens)
@@ -351,7 +373,7 @@ def prepare_data(out_dir: str | os.PathLike, spec: DataSpec, target, *, progress
     if plain and spec.hidden_states:
         ext = extract_hidden_states(lt.model, rows, d, aux_layer_ids=aux, dtype=spec.hidden_states_dtype,
                                     max_batch_tokens=spec.max_batch_tokens, indices=plain, progress=progress,
-                                    target_name=str(lt.source), log=log)
+                                    target_name=str(lt.source), log=log, compute=spec.compute_dtype)
     freq = _write_vocab(d, rows, spec, cfg.vocab_size, main)
     staging = d / HS_DIR / STAGING
     if main and staging.is_dir() and not any(staging.iterdir()):

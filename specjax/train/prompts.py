@@ -15,6 +15,9 @@ Sources (the ``prompts`` string):
 ``<dir>``                        every .json/.jsonl/.parquet/.arrow file under it, sorted by path
 ==============================  ==============================================================
 
+A list of sources (a recipe's ``prompts: [builtin:stdlib:1000, builtin:stdlib-source:700]``,
+``--prompts`` given twice) is read in its order and concatenated.
+
 JSON text is read with the stdlib ``json`` module rather than ``datasets``' json builder: that
 builder reports "Expected object or value" without a line, refuses bare-string lines, turns
 ``["a", "b"]`` into ``{"text": ...}`` rows, and copies the file into the datasets cache first.
@@ -40,7 +43,7 @@ Every record is parsed and checked before anything uses the set (:func:`read_pro
 input fails before a model loads. Errors are :class:`PromptFileError`: the file, ``record N``
 (1-based; ``(line L)`` for JSON Lines), the field, what was found and what was expected.
 
-Selection: ``shuffle_seed`` orders the records by ``numpy.random.default_rng(seed).permutation``
+Selection (over all the sources together): ``shuffle_seed`` orders the records by ``numpy.random.default_rng(seed).permutation``
 (the order ``datasets.Dataset.shuffle(seed=...)`` gives), then ``max_samples`` keeps the first N.
 """
 
@@ -50,7 +53,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Sequence, Union
 
 from bridge.atomic import atomic_file
 from specjax.train.errors import PromptFileError
@@ -335,9 +338,10 @@ def select(n: int, *, max_samples: int | None = None, shuffle_seed: int | None =
     return order if max_samples is None else order[: int(max_samples)]
 
 
-def read_prompts(spec: str | os.PathLike, *, max_samples: int | None = None, shuffle_seed: int | None = None,
+def read_prompts(spec: str | os.PathLike | Sequence[str | os.PathLike], *, max_samples: int | None = None, shuffle_seed: int | None = None,
                  seed: int = 0, accept: Iterable[str] = tuple(KINDS), hf_cache_dir: str | None = None) -> list[Record]:
-    """Read and validate a prompt input (see the module docstring) -> records in use order.
+    """Read and validate a prompt input (see the module docstring) -> records in use order. A list
+    of inputs is read in its order and concatenated before the selection.
 
     Every record of the input is parsed and checked (``accept`` names the record kinds the caller
     can use: ``conversation``, ``pretokenized``, ``prompt_ids``), then the selection applies.
@@ -351,7 +355,11 @@ def read_prompts(spec: str | os.PathLike, *, max_samples: int | None = None, shu
     if unknown:
         raise ValueError(f"accept: unknown record kinds {unknown}; expected some of {list(KINDS)}")
     out: list[Record] = []
-    for part in _read_source(os.fspath(spec), seed=seed, hf_cache_dir=hf_cache_dir):
+    sources = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    if not sources:
+        raise PromptFileError("no prompt sources given", key="prompts")
+    parts = [part for s in sources for part in _read_source(os.fspath(s), seed=seed, hf_cache_dir=hf_cache_dir)]
+    for part in parts:
         if not part.rows:
             raise PromptFileError("no records (the input is empty)", path=part.path)
         for i, obj in enumerate(part.rows):
@@ -364,7 +372,7 @@ def read_prompts(spec: str | os.PathLike, *, max_samples: int | None = None, shu
     return [out[i] for i in select(len(out), max_samples=max_samples, shuffle_seed=shuffle_seed)]
 
 
-def resolve_prompts(spec: str, *, seed: int = 0, max_samples: int | None = None,
+def resolve_prompts(spec: str | Sequence[str], *, seed: int = 0, max_samples: int | None = None,
                     shuffle_seed: int | None = None) -> list[Conversation | PretokenizedRow]:
     """Training records (conversations and pretokenized rows) of a prompt input."""
     return read_prompts(spec, seed=seed, max_samples=max_samples, shuffle_seed=shuffle_seed,

@@ -10,6 +10,11 @@ once by a hash of their name: ``stdlib`` (training) never uses a module the ``ev
 * ``stdlib-code``: code prompts only, from the same training modules (``STDLIB_CODE_MIX``: 80 %
   complete a function, 20 % write one from a description), for a draft meant for code (the
   main job's short recipe spends its minutes there).
+* ``stdlib-source``: the code prompts of ``stdlib-code`` (80 % complete a function, 20 % write
+  one from its description), each answered with the function's own source (its first
+  ``SOURCE_LINES`` lines in a code block): conversations with an assistant turn, used as given
+  (``data.prepare.regenerate: unanswered`` regenerates only the sets without answers). A row
+  costs one forward of the target instead of a decode per token.
 * ``eval-code``: function-completion prompts from the held-out modules.
 * ``eval-prose``: explanation prompts from the held-out modules.
 """
@@ -43,6 +48,7 @@ _MODULES = (
     "encodings ctypes curses dbm json sqlite3 venv ensurepip"
 ).split()
 
+SOURCE_LINES = 30  # the stdlib-source answers: a function's first lines
 EVAL_BUCKET = 5  # modules with crc32(name) % EVAL_BUCKET == 0 are held out for evaluation
 
 
@@ -214,16 +220,46 @@ def _collect(split: str) -> list[_Item]:
     return items
 
 
+def _train_items() -> list[_Item]:
+    """The training modules' items. The same code can live in a training and a held-out module
+    (pydoc's HTMLDoc.markup is copied into xmlrpc.server): such items are dropped so no evaluation
+    prompt is trained on."""
+    held_out = {(it.header, it.doc) for it in _collect("eval")}
+    return [it for it in _collect("train") if (it.header, it.doc) not in held_out]
+
+
+def _source_answer(it: _Item) -> str:
+    """The function's first ``SOURCE_LINES`` lines, moved left by its first line's indent (a
+    method's docstring at column 0 keeps ``textwrap.dedent`` from doing it), so the answer starts
+    as the prompt's stub does."""
+    lines = it.source.splitlines()[:SOURCE_LINES]
+    pad = lines[0][: len(lines[0]) - len(lines[0].lstrip())] if lines else ""
+    return _code_block("\n".join(l[len(pad):] if l.startswith(pad) else l for l in lines))
+
+
+def _source_set(rng: random.Random) -> list[Conversation]:
+    """``stdlib-source``: (code prompt, the function's own source) conversations, in item order."""
+    out, seen = [], set()
+    for it in _train_items():
+        make = _completion if rng.random() < STDLIB_CODE_MIX[0][1] else _write
+        p = make(it, rng)
+        if p and it.source and p not in seen:
+            seen.add(p)
+            out.append([{"role": "user", "content": p}, {"role": "assistant", "content": _source_answer(it)}])
+    return out
+
+
 def builtin_prompts(name: str = "stdlib", n: int | None = None, *, seed: int = 0) -> list[Conversation]:
-    """A built-in prompt set (see the module docstring) as single-user-turn conversations,
-    shuffled with ``seed`` and cut to ``n``."""
+    """A built-in prompt set (see the module docstring) as conversations (one user turn; a user
+    and an assistant turn for ``stdlib-source``), shuffled with ``seed`` and cut to ``n``."""
     rng = random.Random(seed)
+    if name == "stdlib-source":
+        convs = _source_set(rng)
+        rng.shuffle(convs)
+        return convs if n is None else convs[: int(n)]
     if name in MIXES:
         mix = MIXES[name]
-        # The same code can live in a training and a held-out module (pydoc's HTMLDoc.markup is
-        # copied into xmlrpc.server): drop such items so no evaluation prompt is trained on.
-        held_out = {(it.header, it.doc) for it in _collect("eval")}
-        items = [it for it in _collect("train") if (it.header, it.doc) not in held_out]
+        items = _train_items()
         pools = []
         for _, w, make in mix:
             pool = sorted({p for p in (make(it, rng) for it in items) if p})
@@ -250,7 +286,8 @@ def builtin_prompts(name: str = "stdlib", n: int | None = None, *, seed: int = 0
         prompts = [_PROSE[i % 2].format(full=f"{it.module}.{it.qualname}", doc="") if it.kind != "module"
                    else _MODULE_PROSE[0].format(mod=it.module, doc="") for i, it in enumerate(_collect("eval"))]
     else:
-        raise PromptFileError(f"unknown built-in prompt set {name!r}; expected one of {sorted(MIXES)}, eval-code or eval-prose",
+        raise PromptFileError(f"unknown built-in prompt set {name!r}; expected one of {sorted(MIXES)}, stdlib-source, "
+                              "eval-code or eval-prose",
                               key="prompts")
     prompts = sorted(set(prompts))
     rng.shuffle(prompts)

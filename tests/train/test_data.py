@@ -5,6 +5,7 @@ builds, and the bad-input errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -129,6 +130,72 @@ def test_render_rows_assistant_only_mask(tiny_target):
 
 
 # ----------------------------------------------------------------------------- self-distilled data
+
+
+def test_stdlib_source_set_answers_with_the_functions_own_code():
+    """``builtin:stdlib-source``: training-module code prompts, each answered with its function's
+    source (a python block of at most ``SOURCE_LINES`` lines that starts where the prompt's stub
+    does), none from a held-out module, the same for a seed."""
+    from specjax.train.stdlib_prompts import SOURCE_LINES
+
+    convs = builtin_prompts("stdlib-source", seed=0)
+    assert len(convs) > 1000 and all(len(c) == 2 and c[1]["role"] == "assistant" for c in convs)
+    held_out = {c[0]["content"] for c in builtin_prompts("eval-code", seed=0) + builtin_prompts("eval-prose", seed=0)}
+    assert not {c[0]["content"] for c in convs} & held_out
+    for user, answer in ((c[0]["content"], c[1]["content"]) for c in convs):
+        assert answer.startswith("```python\n") and answer.endswith("\n```")
+        code = answer[len("```python\n"): -len("\n```")]
+        assert 0 < len(code.splitlines()) <= SOURCE_LINES
+        if "```python" in user:  # a stub: the answer is that function's code
+            stub = user.split("```python\n")[1]
+            head = next(l for l in stub.splitlines() if l.lstrip().startswith(("def ", "async def ")))
+            assert head in code.splitlines()
+    write = sum(c[0]["content"].startswith(("Write a Python function", "In Python, write", "Write Python code"))
+                for c in convs)
+    assert 0.1 * len(convs) < write < 0.3 * len(convs)  # ~20 % written from a description
+    assert builtin_prompts("stdlib-source", 7, seed=3) == builtin_prompts("stdlib-source", seed=3)[:7]
+
+
+def test_mixed_sources_regenerate_only_the_unanswered(tmp_path, tiny_target):
+    """``prompts: [a, b]`` with ``regenerate: unanswered`` and bf16 products: the prompt-only
+    conversations' rows are the rows a regenerating build of them alone gives, the answered ones'
+    rows are their own renderings, and the extracted states of those are a float32 extraction's up
+    to bf16 rounding."""
+    from specjax import kernels
+
+    asked = tiny_prompts(tmp_path / "asked.jsonl", 10)
+    given = [[{"role": "user", "content": f"q{i}: add {i} and {i + 1}"},
+              {"role": "assistant", "content": f"{i} plus {i + 1} is {2 * i + 1}" + " ok" * i}] for i in range(6)]
+    gpath = tmp_path / "given.jsonl"
+    gpath.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in given))
+    mixed = tmp_path / "mixed"
+    spec = dataclasses.replace(tiny_spec(asked, regenerate="unanswered", compute_dtype="bfloat16"),
+                               prompts=[str(asked), str(gpath)])
+    meta = prepare_data(mixed, spec, tiny_target, progress=False)
+    regen = tmp_path / "regen"
+    prepare_data(regen, tiny_spec(str(asked), compute_dtype="bfloat16"), tiny_target, progress=False)
+    rows, _ = load_data_dir(mixed)
+    want = [tuple(r) for r in load_data_dir(regen)[0].input_ids]
+    want_given = [tuple(ids) for c in given for ids, _ in conversation_rows(tiny_target.tokenizer, c, max_length=128)]
+    got = [tuple(r) for r in rows.input_ids]
+    assert meta["rows"] == 16 and sorted(got) == sorted(want + want_given)
+    written = [json.loads(l)["conversations"] for l in (mixed / "conversations.jsonl").read_text().splitlines()]
+    assert len(written) == 16 and all(c in written for c in given)
+    sep = tmp_path / "f32"
+    ds.write_rows(sep, rows)
+    idx = [i for i, r in enumerate(got) if r in want_given]
+    extract_hidden_states(tiny_target.model, rows, sep, aux_layer_ids=TINY_AUX, dtype="float32", indices=idx,
+                          progress=False)
+    worst = 0.0
+    for i in idx:
+        a = np.asarray(read_hs(hs_path(mixed, i)).hidden_states, np.float32)
+        b = np.asarray(read_hs(hs_path(sep, i)).hidden_states, np.float32)
+        worst = max(worst, np.abs(a - b).max() / np.abs(b).max())
+    assert worst <= 5e-2
+    if kernels.available():
+        assert worst > 1e-6  # bf16 products in the extraction too
+    with pytest.raises(DatasetError, match="regenerate"):
+        prepare_data(tmp_path / "bad", tiny_spec(str(asked), regenerate="some"), tiny_target, progress=False)
 
 
 def test_regenerated_rows_and_captured_hidden_states(tiny_data, tiny_target):
