@@ -156,7 +156,7 @@ def test_stdlib_source_set_answers_with_the_functions_own_code():
     assert builtin_prompts("stdlib-source", 7, seed=3) == builtin_prompts("stdlib-source", seed=3)[:7]
 
 
-def test_mixed_sources_regenerate_only_the_unanswered(tmp_path, tiny_target):
+def test_mixed_sources_regenerate_only_the_unanswered(tmp_path, tiny_target, tiny_target_dir):
     """``prompts: [a, b]`` with ``regenerate: unanswered`` and bf16 products: the prompt-only
     conversations' rows are the rows a regenerating build of them alone gives, the answered ones'
     rows are their own renderings, and the extracted states of those are a float32 extraction's up
@@ -196,6 +196,20 @@ def test_mixed_sources_regenerate_only_the_unanswered(tmp_path, tiny_target):
         assert worst > 1e-6  # bf16 products in the extraction too
     with pytest.raises(DatasetError, match="regenerate"):
         prepare_data(tmp_path / "bad", tiny_spec(str(asked), regenerate="some"), tiny_target, progress=False)
+    # the CLI: --prompts twice and --keep-answers build the same rows
+    from typer.testing import CliRunner
+
+    from specjax.cli import app
+
+    r = CliRunner().invoke(app, ["data", "prepare", "--out", str(tmp_path / "cli"), "--target", str(tiny_target_dir),
+                                 "--prompts", str(asked), "--prompts", str(gpath), "--keep-answers",
+                                 "--max-new-tokens", "20", "--seq-length", "128", "--batch-size", "8",
+                                 "--aux-layer-ids", ",".join(map(str, TINY_AUX)), "--compute-dtype", "bfloat16",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    cli_meta = json.loads(r.output.strip().splitlines()[-1])
+    assert cli_meta["regenerate"] == "unanswered" and cli_meta["prompts"] == [str(asked), str(gpath)]
+    assert sorted(tuple(x) for x in load_data_dir(tmp_path / "cli")[0].input_ids) == sorted(got)
 
 
 def test_regenerated_rows_and_captured_hidden_states(tiny_data, tiny_target):
