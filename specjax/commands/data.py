@@ -115,8 +115,9 @@ def prepare_cmd(
     with an error naming the file and the record, and nothing is written."""
     if keep_answers and regenerate:
         regenerate = "unanswered"
-    flags = dict(prompts=prompts[0] if len(prompts) == 1 else list(prompts), regenerate=regenerate, max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_p=top_p, top_k=top_k, seq_length=seq_length, aux_layer_ids=aux_layer_ids,
+    flags = dict(prompts=prompts[0] if len(prompts) == 1 else list(prompts), regenerate=regenerate,
+                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                 seq_length=seq_length, aux_layer_ids=aux_layer_ids,
                  hidden_states_dtype=hs_dtype, batch_size=batch_size, max_prompt_tokens=max_prompt_tokens,
                  draft_vocab_size=draft_vocab_size, seed=seed, max_samples=max_samples, shuffle_seed=shuffle_seed,
                  compute_dtype=compute_dtype)

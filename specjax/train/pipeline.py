@@ -272,28 +272,24 @@ def _row_sources(lt, convs: list[Conversation], pretok: list[PretokenizedRow], d
                  log, progress) -> tuple[list[tuple[str, object]], list[Conversation]]:
     """Where each row comes from (a staged regenerated turn, a rendered or pretokenized row)."""
     sources: list[tuple[str, object]] = []
-    regenerated, given = convs, convs
-    if spec.regenerate and convs:
-        ask = convs
-        if spec.regenerate == UNANSWERED:
-            ask = [c for c in convs if not _answered(c)]
-            given = [c for c in convs if _answered(c)]
-        else:
-            given = []
-        if ask:
-            staged, regenerated = _regenerate(lt, ask, d, spec, layer_ids, log, progress)
-            sources += [("staged", p) for _, _, p in staged]
-            regenerated = regenerated + given
-    if given:
-        for k, c in enumerate(given):
-            try:
-                rows = conversation_rows(lt.tokenizer, c, max_length=spec.seq_length,
-                                         minimum_valid_tokens=spec.minimum_valid_tokens)
-            except BoundaryUnstableError as e:
-                if log:
-                    log(f"conversation {k}: {e}; skipped")
-                continue
-            sources += [("row", r) for r in rows]
+    if spec.regenerate == UNANSWERED:
+        ask, given = [c for c in convs if not _answered(c)], [c for c in convs if _answered(c)]
+    else:
+        ask, given = (convs, []) if spec.regenerate else ([], convs)
+    regenerated = convs
+    if ask:
+        staged, regenerated = _regenerate(lt, ask, d, spec, layer_ids, log, progress)
+        sources += [("staged", p) for _, _, p in staged]
+        regenerated = regenerated + given
+    for k, c in enumerate(given):
+        try:
+            rows = conversation_rows(lt.tokenizer, c, max_length=spec.seq_length,
+                                     minimum_valid_tokens=spec.minimum_valid_tokens)
+        except BoundaryUnstableError as e:
+            if log:
+                log(f"conversation {k}: {e}; skipped")
+            continue
+        sources += [("row", r) for r in rows]
     for r in pretok:
         ids, mask = r.input_ids[: spec.seq_length], r.loss_mask[: spec.seq_length]
         if sum(mask) > 0:

@@ -43,8 +43,9 @@ Every record is parsed and checked before anything uses the set (:func:`read_pro
 input fails before a model loads. Errors are :class:`PromptFileError`: the file, ``record N``
 (1-based; ``(line L)`` for JSON Lines), the field, what was found and what was expected.
 
-Selection (over all the sources together): ``shuffle_seed`` orders the records by ``numpy.random.default_rng(seed).permutation``
-(the order ``datasets.Dataset.shuffle(seed=...)`` gives), then ``max_samples`` keeps the first N.
+Selection (over all the sources together): ``shuffle_seed`` orders the records by
+``numpy.random.default_rng(seed).permutation`` (the order ``datasets.Dataset.shuffle(seed=...)``
+gives), then ``max_samples`` keeps the first N.
 """
 
 from __future__ import annotations
@@ -338,8 +339,8 @@ def select(n: int, *, max_samples: int | None = None, shuffle_seed: int | None =
     return order if max_samples is None else order[: int(max_samples)]
 
 
-def read_prompts(spec: str | os.PathLike | Sequence[str | os.PathLike], *, max_samples: int | None = None, shuffle_seed: int | None = None,
-                 seed: int = 0, accept: Iterable[str] = tuple(KINDS), hf_cache_dir: str | None = None) -> list[Record]:
+def read_prompts(spec: str | os.PathLike | Sequence[str | os.PathLike], *, max_samples: int | None = None,
+                 shuffle_seed: int | None = None, seed: int = 0, accept: Iterable[str] = tuple(KINDS), hf_cache_dir: str | None = None) -> list[Record]:
     """Read and validate a prompt input (see the module docstring) -> records in use order. A list
     of inputs is read in its order and concatenated before the selection.
 

@@ -25,14 +25,16 @@ def test_smollm2_recipe_end_to_end(tmp_path):
     lt = load_target(None, progress=False)
     cfg = load_recipe(REPO / "configs" / "eagle3-smollm2.yaml", [
         f"data.path={tmp_path / 'data'}", "data.prepare.prompts=[builtin:stdlib:6, builtin:stdlib-source:2]",
-        "data.prepare.regenerate=unanswered", "data.prepare.max_new_tokens=24", "data.prepare.batch_size=8", "data.prepare.max_prompt_tokens=320", "data.total_seq_len=512",
+        "data.prepare.regenerate=unanswered", "data.prepare.max_new_tokens=24", "data.prepare.batch_size=8",
+        "data.prepare.max_prompt_tokens=320", "data.total_seq_len=512",
         "draft.draft_vocab_size=2048",
         f"trainer.output_dir={tmp_path / 'run'}", "trainer.max_steps=3", "data.train_data_ratio=0.75"])
     run = Run(cfg, target=lt, progress=False)
     s = run.train()
     meta = json.loads((tmp_path / "data" / "specjax_data.json").read_text())
     assert meta["layer_ids"] == [2, 15, 27, 30] and meta["rows"] == 8  # 6 regenerated, 2 answered as given
-    convs = [json.loads(l)["conversations"] for l in (tmp_path / "data" / "conversations.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "data" / "conversations.jsonl").read_text().splitlines()
+    convs = [json.loads(l)["conversations"] for l in lines]
     assert all(c in convs for c in builtin_prompts("stdlib-source", 2, seed=cfg.data.prepare.seed))
     assert (tmp_path / "data" / "d2t-2048.npy").is_file()
     last = Path(s["last"])
