@@ -1,5 +1,5 @@
-"""Data: prompt files and built-in sets, chat rows with assistant-only masks, self-distilled
-rows with hidden states captured in the generation pass, the cache in speculators' format both
+"""Data: prompt files, chat rows with assistant-only masks, self-distilled rows with hidden states
+captured in the generation pass, mixed regenerated and given answers, the cache in speculators' format both
 ways (read by speculators' own dataset code; a speculators-layout cache trains here), resumable
 builds, and the bad-input errors."""
 
@@ -18,7 +18,7 @@ from specjax.train.hidden_states import (
     check_record, extract_hidden_states, hs_path, is_complete, read_hs, verify_cache, write_hs,
 )
 from specjax.train.pipeline import load_data_dir, prepare_data
-from specjax.train.prompts import builtin_prompts, is_eval_module, load_prompt_file
+from specjax.train.prompts import load_prompt_file
 from specjax.train.render import conversation_rows
 from tests.train.conftest import TINY_AUX, tiny_prompts, tiny_spec
 
@@ -49,34 +49,6 @@ def test_prompt_file_formats_and_line_errors(tmp_path):
     bad.write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
     with pytest.raises(PromptFileError, match=r"record 1 \(line 1\): pretokenized row: 2 input_ids but 1"):
         load_prompt_file(bad)
-
-
-def test_builtin_sets_are_disjoint_and_mixed():
-    train = builtin_prompts("stdlib", seed=0)
-    code = builtin_prompts("eval-code", seed=0)
-    prose = builtin_prompts("eval-prose", seed=0)
-    assert len(train) > 2000 and len(code) > 100 and len(prose) > 100
-    tr = {c[0]["content"] for c in train}
-    assert not tr & {c[0]["content"] for c in code + prose}
-    texts = [c[0]["content"] for c in train]
-    assert sum("```python" in t for t in texts) > len(texts) // 4  # code prompts
-    assert sum("```" not in t for t in texts) > len(texts) // 4  # prose prompts
-    assert all("Complete the following Python function" in c[0]["content"] for c in code)
-    assert is_eval_module("calendar") != is_eval_module("json") or True
-    assert builtin_prompts("stdlib", 5, seed=1) == builtin_prompts("stdlib", 5, seed=1)
-
-
-def test_stdlib_code_set_is_code_only_and_held_out_disjoint():
-    code_train = builtin_prompts("stdlib-code", seed=0)
-    assert len(code_train) > 2000
-    texts = [c[0]["content"] for c in code_train]
-    write = ("Write a Python function", "In Python, write a function", "Write Python code for")
-    assert all("```python" in t or t.startswith(write) for t in texts)
-    held_out = {c[0]["content"] for c in builtin_prompts("eval-code", seed=0) + builtin_prompts("eval-prose", seed=0)}
-    assert not set(texts) & held_out
-    assert sum(t.startswith(write) for t in texts[:1000]) in range(140, 260)  # ~20 % write
-    with pytest.raises(PromptFileError, match="stdlib-code"):
-        builtin_prompts("stdlib-prose")
 
 
 def test_data_prepare_from_a_recipe_is_the_directory_train_expects(tmp_path, tiny_target_dir, tiny_data):
@@ -130,30 +102,6 @@ def test_render_rows_assistant_only_mask(tiny_target):
 
 
 # ----------------------------------------------------------------------------- self-distilled data
-
-
-def test_stdlib_source_set_answers_with_the_functions_own_code():
-    """``builtin:stdlib-source``: training-module code prompts, each answered with its function's
-    source (a python block of at most ``SOURCE_LINES`` lines that starts where the prompt's stub
-    does), none from a held-out module, the same for a seed."""
-    from specjax.train.stdlib_prompts import SOURCE_LINES
-
-    convs = builtin_prompts("stdlib-source", seed=0)
-    assert len(convs) > 1000 and all(len(c) == 2 and c[1]["role"] == "assistant" for c in convs)
-    held_out = {c[0]["content"] for c in builtin_prompts("eval-code", seed=0) + builtin_prompts("eval-prose", seed=0)}
-    assert not {c[0]["content"] for c in convs} & held_out
-    for user, answer in ((c[0]["content"], c[1]["content"]) for c in convs):
-        assert answer.startswith("```python\n") and answer.endswith("\n```")
-        code = answer[len("```python\n"): -len("\n```")]
-        assert 0 < len(code.splitlines()) <= SOURCE_LINES
-        if "```python" in user:  # a stub: the answer is that function's code
-            stub = user.split("```python\n")[1]
-            head = next(l for l in stub.splitlines() if l.lstrip().startswith(("def ", "async def ")))
-            assert head in code.splitlines()
-    write = sum(c[0]["content"].startswith(("Write a Python function", "In Python, write", "Write Python code"))
-                for c in convs)
-    assert 0.1 * len(convs) < write < 0.3 * len(convs)  # ~20 % written from a description
-    assert builtin_prompts("stdlib-source", 7, seed=3) == builtin_prompts("stdlib-source", seed=3)[:7]
 
 
 def test_mixed_sources_regenerate_only_the_unanswered(tmp_path, tiny_target, tiny_target_dir):

@@ -118,15 +118,16 @@ def test_resume_and_output_errors(tmp_path, tiny_data, tiny_target):
 
 def test_recipe_errors(tmp_path):
     p = tmp_path / "r.yaml"
-    p.write_text("speculator_type: eagle3\ndraft:\n  num_layer: 2\n")
-    with pytest.raises(RecipeError, match=r"unknown key 'draft.num_layer'; accepted keys: num_layers"):
-        load_recipe(p)
-    p.write_text("optimizer:\n  optimizer: sgd\n")
-    with pytest.raises(RecipeError, match=r"accepted values: 'adamw', 'muon'"):
-        load_recipe(p)
-    p.write_text("trainer:\n  epochs: many\n")
-    with pytest.raises(RecipeError, match=r"trainer.epochs: .*found 'many'.*expected int"):
-        load_recipe(p)
+
+    def refused(text: str, match: str) -> None:
+        p.write_text(text)
+        with pytest.raises(RecipeError, match=match):
+            load_recipe(p)
+
+    refused("speculator_type: eagle3\ndraft:\n  num_layer: 2\n",
+            r"unknown key 'draft.num_layer'; accepted keys: num_layers")
+    refused("optimizer:\n  optimizer: sgd\n", r"accepted values: 'adamw', 'muon'")
+    refused("trainer:\n  epochs: many\n", r"trainer.epochs: .*found 'many'.*expected int")
     with pytest.raises(RecipeError, match=r"unknown loss 'kld'"):
         load_recipe(None, ["loss_fn=kld"])
     with pytest.raises(RecipeError, match="dpace requires loss.loss_fn=ce"):
@@ -139,12 +140,8 @@ def test_recipe_errors(tmp_path):
     as_set = load_recipe(None, ["loss_fn={kl_div: 1.0, ce: 0.5}"]).loss.loss_fn
     assert parse_loss_spec(as_mapping) == parse_loss_spec(as_json) == parse_loss_spec(as_set) == (
         ("kl_div", 1.0), ("ce", 0.5))
-    p.write_text("loss:\n  loss_fn:\n    kl_div: heavy\n")
-    with pytest.raises(RecipeError, match=r"loss weight for 'kl_div' must be a number, got 'heavy'"):
-        load_recipe(p)
-    p.write_text("loss:\n  loss_fn:\n    kld: 1.0\n")
-    with pytest.raises(RecipeError, match=r"unknown loss 'kld' in the loss dict"):
-        load_recipe(p)
+    refused("loss:\n  loss_fn:\n    kl_div: heavy\n", r"loss weight for 'kl_div' must be a number, got 'heavy'")
+    refused("loss:\n  loss_fn:\n    kld: 1.0\n", r"unknown loss 'kld' in the loss dict")
     with pytest.raises(RecipeError, match=r"--set: unknown key 'bogus'"):
         load_recipe(None, ["bogus=1"])
     c = load_recipe(None, ["speculator_type=dflash"])
