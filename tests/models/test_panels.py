@@ -164,6 +164,31 @@ def test_decode_state_packs_kernels_and_the_tied_head(tied):
     key = ("model", "layers", 0, "mlp", "up_proj", "kernel")
     assert again[key].get_value().packed is flat[key].get_value().packed
 
+@needs_kernels
+def test_decode_state_walks_the_graph_once_per_state(tied, monkeypatch):
+    """The packable paths are remembered for the same param arrays (a cached split, or a pair
+    rebuilt around the same modules), and found again for new arrays (a cast or reload)."""
+    monkeypatch.setattr(panels, "_PACKABLE", type(panels._PACKABLE)())  # other tests' entries
+    calls = []
+    real = panels.packable
+    monkeypatch.setattr(panels, "packable", lambda root: calls.append(root) or real(root))
+    _, state = nnx.split(tied)
+    first = panels.decode_state(tied, state)
+    again = panels.decode_state(tied, state)
+    assert len(calls) == 1
+    assert jax.tree_util.tree_structure(first) == jax.tree_util.tree_structure(again)
+    # other arrays (a bfloat16 copy: nothing to pack) are walked anew; the float32 entry stays
+    graphdef, _ = nnx.split(tied)
+    m16 = nnx.merge(graphdef, jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, state))
+    view16 = panels.decode_state(m16, nnx.split(m16)[1])
+    assert len(calls) == 2
+    assert not any(isinstance(x, panels.Paneled) for x in jax.tree_util.tree_leaves(
+        view16, is_leaf=lambda a: isinstance(a, panels.Paneled)))
+    panels.decode_state(tied, state)
+    assert len(calls) == 2
+
+
 
 @needs_kernels
 def test_panels_go_with_their_source():
