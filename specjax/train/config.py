@@ -115,6 +115,10 @@ class DraftArgs(_Section):
     sliding_window: int = Field(2048, ge=1)
     full_attention_indices: list[int] = Field(default_factory=list)
     sliding_window_non_causal: bool | None = None
+    speculative_tokens: int | None = Field(
+        None, ge=1, description="EAGLE-3: the proposal length the exported config.json gives vLLM "
+        "(speculators_config.proposal_methods[0].speculative_tokens); unset: loss.ttt_steps, as speculators "
+        "writes it. A draft trained with fewer TTT steps than it proposes at serving time sets it")
 
 
 class DataArgs(_Section):
@@ -230,7 +234,9 @@ ALGORITHM_SECTIONS = ("dspark", "peagle", "mtp")
 RESUME_SAFE = frozenset({"trainer.log_every", "trainer.keep_checkpoints", "trainer.checkpoint_every",
                          "trainer.max_minutes", "trainer.output_dir", "data.prepare", "target",
                          # the same rows in the same order; only where their hidden states come from
-                         "data.online"})
+                         "data.online",
+                         # written into the exported config.json only
+                         "draft.speculative_tokens"})
 
 
 class TrainConfig(_Section):
@@ -267,6 +273,9 @@ class TrainConfig(_Section):
         if self.data.context_loss and (self.data.max_context_tokens is None or self.data.prompt_loss):
             raise ValueError("data.context_loss supervises the prompt positions data.max_context_tokens keeps: it needs "
                              "max_context_tokens and no data.prompt_loss (which supervises whole prompts)")
+        if d.speculative_tokens is not None and self.speculator_type != "eagle3":
+            raise ValueError(f"draft.speculative_tokens is an eagle3 setting; {self.speculator_type}'s proposal length "
+                             "follows from its own settings (speculators' rule)")
         algo.validate(self)
         if d.full_attention_indices and (min(d.full_attention_indices) < 0
                                          or max(d.full_attention_indices) >= d.num_layers):

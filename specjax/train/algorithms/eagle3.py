@@ -22,7 +22,9 @@ class Eagle3(TrainAlgorithm):
     shift_batch = staticmethod(shift_eagle3)
 
     def config_fields(self, mask_token_id):
-        return eagle_fields(self.cfg, embed_requires_grad=self.cfg.draft.embed_requires_grad), self.cfg.loss.ttt_steps
+        d = self.cfg.draft
+        return (eagle_fields(self.cfg, embed_requires_grad=d.embed_requires_grad),
+                d.speculative_tokens if d.speculative_tokens is not None else self.cfg.loss.ttt_steps)
 
     def loss(self, model, batch, cdt):
         c = self.cfg.loss
