@@ -273,7 +273,7 @@ class TrainConfig(_Section):
         if self.data.context_loss and (self.data.max_context_tokens is None or self.data.prompt_loss):
             raise ValueError("data.context_loss supervises the prompt positions data.max_context_tokens keeps: it needs "
                              "max_context_tokens and no data.prompt_loss (which supervises whole prompts)")
-        if d.speculative_tokens is not None and self.speculator_type != "eagle3":
+        if d.speculative_tokens is not None and not algo.proposal_length_settable:
             raise ValueError(f"draft.speculative_tokens is an eagle3 setting; {self.speculator_type}'s proposal length "
                              "follows from its own settings (speculators' rule)")
         algo.validate(self)

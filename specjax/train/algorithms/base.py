@@ -46,6 +46,8 @@ class TrainAlgorithm:
     needs_mask_token: ClassVar[bool] = False
     #: building the draft reads the target's decoder weights (not only its embedding and head)
     reads_target_layers: ClassVar[bool] = False
+    #: ``draft.speculative_tokens`` may set the exported proposal length (else it follows speculators' rule)
+    proposal_length_settable: ClassVar[bool] = False
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -18,6 +18,7 @@ def eagle_fields(cfg, *, embed_requires_grad: bool) -> dict:
 
 class Eagle3(TrainAlgorithm):
     name = "eagle3"
+    proposal_length_settable = True
     recipe_defaults = {"draft.draft_arch": "llama", "draft.norm_before_fc": True, "draft.norm_output": True}
     shift_batch = staticmethod(shift_eagle3)
 
