@@ -340,7 +340,8 @@ def select(n: int, *, max_samples: int | None = None, shuffle_seed: int | None =
 
 
 def read_prompts(spec: str | os.PathLike | Sequence[str | os.PathLike], *, max_samples: int | None = None,
-                 shuffle_seed: int | None = None, seed: int = 0, accept: Iterable[str] = tuple(KINDS), hf_cache_dir: str | None = None) -> list[Record]:
+                 shuffle_seed: int | None = None, seed: int = 0, accept: Iterable[str] = tuple(KINDS),
+                 hf_cache_dir: str | None = None) -> list[Record]:
     """Read and validate a prompt input (see the module docstring) -> records in use order. A list
     of inputs is read in its order and concatenated before the selection.
 

@@ -164,6 +164,7 @@ def test_decode_state_packs_kernels_and_the_tied_head(tied):
     key = ("model", "layers", 0, "mlp", "up_proj", "kernel")
     assert again[key].get_value().packed is flat[key].get_value().packed
 
+
 @needs_kernels
 def test_decode_state_walks_the_graph_once_per_state(tied, monkeypatch):
     """The packable paths are remembered for the same param arrays (a cached split, or a pair
@@ -187,7 +188,6 @@ def test_decode_state_walks_the_graph_once_per_state(tied, monkeypatch):
         view16, is_leaf=lambda a: isinstance(a, panels.Paneled)))
     panels.decode_state(tied, state)
     assert len(calls) == 2
-
 
 
 @needs_kernels
