@@ -3,14 +3,17 @@ side in one run, on the embedded SmolLM2-135M-Instruct (float32):
 
 * ``layers``: the 210 linear layers of SmolLM2 (30 x q, k, v, o, gate, up, down; random weights of
   its shapes, 424 MB) chained so each product feeds the next, 10 passes per timed call, at 1, 4,
-  8 and 16 rows (the batch, or the k+1 tokens a verify forward scores per sequence). Reports ms
+  8, 16, 32 and 64 rows (the batch, or the k+1 tokens a verify forward scores per sequence). Reports ms
   per pass, the weight stream rate in GB/s and panel / XLA.
-* ``step``: one decode step of the real model (cache of 320 slots, 250 filled) at batch 1, 4 and
-  16, the plain params against their panel view (``panels.decode_state``), and the greedy token of each.
+* ``step``: one decode step of the real model (cache of 320 slots, 250 filled) at batch 1, 4,
+  16, 32 and 64, the plain params against their panel view (``panels.decode_state``), and the greedy token of each.
 * ``bf16dot``, beside both: the bf16-compute kernel (``decode_state(compute="bfloat16")``: bf16
   products over k-pair panels, ``vdpbf16ps``), what ``data prepare --compute-dtype bfloat16``
   regenerates with; its tokens are compared with the float32 panels' (bf16 products may break a
   near tie differently).
+* ``bf16xla``: the same bf16 arithmetic on XLA's bf16 dot over the weights in bfloat16 (the
+  ``"dot"`` layout, ``panels.bf16_layout``), which a CPU with AMX tiles runs on them; regeneration
+  takes it there past ``panels.BF16_KERNEL_ROWS_AMX`` rows. Rows up to 64 (a regeneration batch).
 
 Prints one JSON line; ``*_ratio`` = panel time / XLA time (< 1: the kernel is faster)::
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,6 +61,7 @@ def layers(repeats: int) -> dict:
     plain = [[jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for s in SHAPES] for _ in range(30)]
     packed = [[panels.pack(w) for w in layer] for layer in plain]
     pairs = [[panels.pack_pairs(w) for w in layer] for layer in plain]
+    dots = [[panels.pack_dot(w) for w in layer] for layer in plain]
     nbytes = sum(w.size * 4 for layer in plain for w in layer)
 
     def body(h, ws, mm):  # each product feeds the next: no two calls overlap
@@ -69,17 +74,18 @@ def layers(repeats: int) -> dict:
         return h
 
     out = {}
-    for m in (1, 4, 8, 16):
+    for m in (1, 4, 8, 16, 32, 64):
         x = jnp.asarray(rng.standard_normal((m, 576), np.float32))
         row = {}
         for name, mm, ws in (("xla", jnp.matmul, plain), ("panel", panels.matmul, packed),
-                             ("bf16dot", panels.matmul, pairs)):
+                             ("bf16dot", panels.matmul, pairs), ("bf16xla", panels.matmul, dots)):
             f = jax.jit(lambda x, ws, mm=mm: jax.lax.fori_loop(0, 10, lambda i, h: body(h, ws, mm), x))
             t = _time(f, (x, ws), repeats, per=10)
             row[f"{name}_ms"] = round(1e3 * t, 3)
             row[f"{name}_GBps"] = round(nbytes / t / 1e9, 1)  # float32 bytes of the weights, for every side
         row["ratio"] = round(row["panel_ms"] / row["xla_ms"], 3)
         row["bf16dot_over_panel"] = round(row["bf16dot_ms"] / row["panel_ms"], 3)
+        row["bf16xla_over_bf16dot"] = round(row["bf16xla_ms"] / row["bf16dot_ms"], 3)
         out[f"rows_{m}"] = row
     return out
 
@@ -97,7 +103,13 @@ def step(repeats: int) -> dict:
     model = load_target("default", progress=False).model
     graphdef, state = nnx.split(model)
     view = panels.decode_state(model, state)
-    bf16 = panels.decode_state(model, state, compute="bfloat16")
+
+    def bf16_view(layout: str, rows: int):
+        os.environ["SPECJAX_BF16_DOT"] = layout
+        try:
+            return panels.decode_state(model, state, compute="bfloat16", rows=rows)
+        finally:
+            del os.environ["SPECJAX_BF16_DOT"]
 
     @functools.partial(jax.jit, donate_argnums=(2,))
     def run(st, ids, cache):
@@ -105,7 +117,7 @@ def step(repeats: int) -> dict:
         return jnp.argmax(out.logits, -1), out.cache.rollback(cache.lengths)
 
     out = {}
-    for b in (1, 4, 16):
+    for b in (1, 4, 16, 32, 64):
         ids = jnp.asarray(np.arange(1, b + 1)[:, None] * 101, jnp.int32)
         box = [KVCache.init(model.config, b, 320, jnp.float32, lengths=jnp.full((b,), 250, jnp.int32))]
 
@@ -114,13 +126,16 @@ def step(repeats: int) -> dict:
             return tok
 
         row, toks = {}, {}
-        for name, st in (("xla", state), ("panel", view), ("bf16dot", bf16)):
+        for name, st in (("xla", state), ("panel", view), ("bf16dot", bf16_view("kernel", b)),
+                         ("bf16xla", bf16_view("xla", b))):
             row[f"{name}_ms"] = round(1e3 * _time(call, (st,), repeats), 3)
             toks[name] = np.asarray(call(st)).tolist()
         row["ratio"] = round(row["panel_ms"] / row["xla_ms"], 3)
         row["bf16dot_over_panel"] = round(row["bf16dot_ms"] / row["panel_ms"], 3)
         row["same_tokens"] = toks["xla"] == toks["panel"]
         row["bf16dot_same_tokens"] = toks["bf16dot"] == toks["panel"]
+        row["bf16xla_over_bf16dot"] = round(row["bf16xla_ms"] / row["bf16dot_ms"], 3)
+        row["bf16xla_same_tokens"] = toks["bf16xla"] == toks["panel"]
         out[f"batch_{b}"] = row
     return out
 

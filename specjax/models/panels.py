@@ -23,6 +23,15 @@ float32: speculators exports bf16) is packed into **bfloat16 panels** (:func:`bf
 kernel streams half the bytes and widens each weight back to the same float32 exactly, so the
 products, the sums and the outputs are those of the float32 panels. ``SPECJAX_PANEL_BF16=0``
 keeps float32 panels for every param (for side-by-side timing).
+
+A bf16-compute state (``decode_state(compute="bfloat16")``, regenerating training data) takes one
+of two layouts (:func:`bf16_layout`): k-pair panels for the ``vdpbf16ps`` kernel, or, on a CPU
+with AMX tiles (``amx_bf16``) and decode steps of more than :data:`BF16_KERNEL_ROWS_AMX` rows,
+the weight itself in bfloat16 for XLA's bf16 dot, which runs on the tiles. ``benchmarks/cpu_kernels.py``
+(2 cores with AMX, 2026-12-06): SmolLM2's 210 linear layers chained take 30.4 ms at 32 rows on
+XLA's dot against 49.0 ms on the kernel, 37.1 against 87.0 at 64, but 23.8 against 21.1 at 8 and
+22.8 against 15.9 at 4; a whole decode step of the model 74.7 against 105.5 ms at batch 32, 113
+against 185 at 64.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ MAX_ROWS = 16  # rows (batch x tokens) up to which the panel kernel runs; longer
 # a decode step of 32 or 64 rows still streams each weight once (64 prompts x 96 tokens: 306 new tokens/s at 16
 # rows a step, 348 at 32, 360 at 64); a prefill's thousands of rows still take XLA's bf16 dot
 MAX_ROWS_BF16 = 64
+# a bf16-compute state's decode steps of more rows than this take XLA's bf16 dot on a CPU with AMX (bf16_layout)
+BF16_KERNEL_ROWS_AMX = 8
 WIDTHS = (64, 32, 16)
 MIN_PANELS = 8  # prefer the widest panel that still gives this many (work units for the threads)
 PANEL_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -59,6 +70,29 @@ def bf16_panels_enabled() -> bool:
 def bf16_exact(w):
     """True when every value of float32 ``w`` is a bfloat16 (the round trip through bf16 gives it back)."""
     return jnp.all(w.astype(jnp.bfloat16).astype(w.dtype) == w)
+
+
+def host_has_amx() -> bool:
+    """This host's CPU has AMX bf16 tiles (``amx_bf16`` in ``/proc/cpuinfo``'s flags)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(ln.startswith("flags") and "amx_bf16" in ln.split() for ln in f)
+    except OSError:
+        return False
+
+
+def bf16_layout(rows: int | None) -> str:
+    """The layout of a bf16-compute state's weights for decode steps of ``rows`` rows (None: no
+    decode steps, a prefill's many rows): ``"dot"`` (the weight in bfloat16, XLA's bf16 dot for
+    every input) on a host with AMX (:func:`host_has_amx`) and more than
+    :data:`BF16_KERNEL_ROWS_AMX` rows, else ``"pairs"`` (k-pair panels, the ``vdpbf16ps`` kernel up to
+    :data:`MAX_ROWS_BF16` rows). ``SPECJAX_BF16_DOT`` = ``xla`` / ``kernel`` forces one."""
+    force = os.environ.get("SPECJAX_BF16_DOT", "auto").strip().lower()
+    if force not in ("auto", "xla", "kernel"):
+        raise ValueError(f"SPECJAX_BF16_DOT must be auto, xla or kernel, got {force!r}")
+    if force != "auto":
+        return "dot" if force == "xla" else "pairs"
+    return "dot" if host_has_amx() and (rows is None or rows > BF16_KERNEL_ROWS_AMX) else "pairs"
 
 
 def panel_width(n: int) -> int | None:
@@ -107,6 +141,20 @@ def pack_embedding_pairs(e, width: int | None = None):
     return pack_pairs(jnp.transpose(e), width)
 
 
+def pack_dot(w):
+    """Kernel [K, N] -> the same in bfloat16: a bf16-compute state's ``"dot"`` layout (:func:`bf16_layout`)."""
+    return w.astype(jnp.bfloat16)
+
+
+def pack_embedding_dot(e):
+    """Embedding [V, H] -> its transpose [H, V] in bfloat16 (a tied LM head in the ``"dot"`` layout)."""
+    return jnp.transpose(e).astype(jnp.bfloat16)
+
+
+def _dot_layout(wp) -> bool:
+    return wp.ndim == 2
+
+
 def unpack(wp):
     """Panels [P, K, Wd] -> kernel [K, P Wd]."""
     P, K, W = wp.shape
@@ -118,9 +166,18 @@ def _fits(dtype, rows: int, limit: int | None = None) -> bool:
 
 
 def row_limit(value) -> int:
-    """How many rows (batch x tokens) a decode-time weight's kernel takes: :data:`MAX_ROWS_BF16`
-    for bf16-compute k-pair panels, else :data:`MAX_ROWS`."""
-    return MAX_ROWS_BF16 if isinstance(value, Paneled) and value.packed.ndim == 4 else MAX_ROWS
+    """How many rows (batch x tokens) a decode-time weight's matmul takes in its packed layout:
+    :data:`MAX_ROWS_BF16` for bf16-compute k-pair panels, any number for the bf16 ``"dot"`` layout
+    (XLA's dot), else :data:`MAX_ROWS`."""
+    if isinstance(value, Paneled) and _dot_layout(value.packed):
+        return 1 << 62
+    return attention_row_limit(value)
+
+
+def attention_row_limit(value) -> int:
+    """How many query rows the cached attention of a layer whose projection holds ``value`` runs
+    on the decode-attention kernel: :data:`MAX_ROWS_BF16` in a bf16-compute state, else :data:`MAX_ROWS`."""
+    return MAX_ROWS_BF16 if isinstance(value, Paneled) and value.packed.ndim in (2, 4) else MAX_ROWS
 
 
 def fits(x, limit: int | None = None) -> bool:
@@ -134,7 +191,7 @@ def bf16_compute(value, dtype=None, out_sharding=None) -> bool:
     """``value`` is a decode-time :class:`Paneled` weight of a bf16-compute state
     (``decode_state(..., compute="bfloat16")``: k-pair panels, bf16 products for every input),
     for a layer computing in float32 (``dtype`` None or float32) with no output sharding asked for."""
-    return (isinstance(value, Paneled) and value.packed.ndim == 4 and out_sharding is None
+    return (isinstance(value, Paneled) and value.packed.ndim in (2, 4) and out_sharding is None
             and (dtype is None or jnp.dtype(dtype) == jnp.float32))
 
 
@@ -156,14 +213,22 @@ def attention_fits(q_proj, q, k) -> bool:
     state), and ``q`` and the cache ``k`` are float32."""
     value = q_proj.kernel.get_value()
     return (isinstance(value, Paneled) and k.dtype == jnp.float32
-            and _fits(q.dtype, q.shape[0] * q.shape[1], row_limit(value)))
+            and _fits(q.dtype, q.shape[0] * q.shape[1], attention_row_limit(value)))
 
 
 def matmul(x, wp):
     """``x @ w`` on the panel kernel: ``x`` [..., K] float32 and packed ``wp`` [P, K, Wd] (float32,
     or bfloat16 widened exactly to float32 in the kernel) -> float32 [..., P Wd]. K-pair panels
     ``wp`` [P, K/2, Wd, 2] (:func:`pack_pairs`) compute in bf16 instead: ``x`` rounded to
-    bfloat16, products accumulated in float32. Needs :func:`specjax.kernels.available`."""
+    bfloat16, products accumulated in float32. Needs :func:`specjax.kernels.available`. A bf16
+    ``"dot"`` layout ``wp`` [K, N] (:func:`pack_dot`): the same arithmetic on XLA's bf16 dot."""
+    if _dot_layout(wp):
+        if x.shape[-1] != wp.shape[0]:
+            raise ValueError(f"bf16 dot: x has {x.shape[-1]} features, the weight expects {wp.shape[0]}")
+        lead = x.shape[:-1]
+        y = jax.lax.dot_general(jnp.reshape(x, (-1, x.shape[-1])).astype(jnp.bfloat16), wp.astype(jnp.bfloat16),
+                                (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return jnp.reshape(y, (*lead, wp.shape[-1]))
     if wp.ndim == 4:
         P, H, W, _ = wp.shape
         if x.shape[-1] != 2 * H:
@@ -371,7 +436,8 @@ def _packer(layout):
 
 
 _PACKERS = {"kernel": _packer(pack), "embedding": _packer(pack_embedding),
-            "kernel-bf16": jax.jit(pack_pairs), "embedding-bf16": jax.jit(pack_embedding_pairs)}
+            "kernel-bf16": jax.jit(pack_pairs), "embedding-bf16": jax.jit(pack_embedding_pairs),
+            "kernel-bf16dot": jax.jit(pack_dot), "embedding-bf16dot": jax.jit(pack_embedding_dot)}
 COMPUTE_DTYPES = ("float32", "bfloat16")
 CACHE = _Cache()
 
@@ -380,7 +446,7 @@ def _single_device(x) -> bool:
     return isinstance(x, jax.Array) and len(x.sharding.device_set) == 1
 
 
-def decode_state(root, state, *, compute: str = "float32"):
+def decode_state(root, state, *, compute: str = "float32", rows: int | None = None):
     """``state`` (``nnx.split(root)[1]``) with the :func:`packable` params in panel layout, for
     a single-device CPU decode when the kernels are available; else ``state`` unchanged (params
     on another platform, e.g. a TPU, whatever the process's default backend is).
@@ -389,7 +455,9 @@ def decode_state(root, state, *, compute: str = "float32"):
     panels on the ``vdpbf16ps`` kernel for a few rows, XLA's bf16 dot for a prefill; weights and
     inputs rounded to bfloat16, outputs float32; attention, norms and the residual stream stay
     float32). Not float32's outputs: for work that takes bf16 arithmetic anyway (regenerating
-    training data), about twice the throughput on a CPU with AVX512-BF16."""
+    training data), about twice the throughput on a CPU with AVX512-BF16. ``rows``: the rows
+    (batch x tokens) of the state's decode steps (None: none, prefills only), which pick the bf16
+    layout (:func:`bf16_layout`: on a CPU with AMX, XLA's bf16 dot past a few rows)."""
     if compute not in COMPUTE_DTYPES:
         raise ValueError(f"decode compute dtype must be one of {COMPUTE_DTYPES}, got {compute!r}")
     if not kernels.available(placement.platform_of(state)):
@@ -400,6 +468,7 @@ def decode_state(root, state, *, compute: str = "float32"):
         return state
     if not all(_single_device(x) for x in leaves):
         return state
+    suffix = "bf16dot" if compute == "bfloat16" and bf16_layout(rows) == "dot" else "bf16"
 
     def swap(kp, x):
         path = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in kp)
@@ -408,7 +477,7 @@ def decode_state(root, state, *, compute: str = "float32"):
         kind = paths.get(path)
         if kind is None:
             return x
-        return Paneled(x, CACHE.get(x, kind if compute == "float32" else f"{kind}-bf16"))
+        return Paneled(x, CACHE.get(x, kind if compute == "float32" else f"{kind}-{suffix}"))
 
     return jax.tree_util.tree_map_with_path(swap, state)
 

@@ -20,7 +20,9 @@ On a single-device CPU the forwards run in the panel view of the params
 (:func:`specjax.models.panels.decode_state`: the native matmul and decode-attention kernels, as
 the generate loop does); at most ``panels.MAX_ROWS`` rows a step take that path
 (``panels.MAX_ROWS_BF16`` with ``compute="bfloat16"``), so a batch of 16 (32 in bf16) streams the
-weights once per step where XLA's dot would re-read them at a stride.
+weights once per step where XLA's dot would re-read them at a stride. On a CPU with AMX tiles a
+bf16-compute batch of more than 4 rows multiplies on XLA's bf16 dot instead, which runs on the
+tiles (:func:`specjax.models.panels.bf16_layout`; attention stays on the kernel).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def generate_with_hidden_states(model, prompts: Sequence[Sequence[int]], *, max_
     if Pmax + max_new_tokens > ctx:
         raise ValueError(f"prompts up to {Pmax} tokens + {max_new_tokens} new tokens exceed the context {ctx}")
     graphdef, params = nnx.split(model)
-    params = panels.decode_state(model, params, compute=compute)
+    params = panels.decode_state(model, params, compute=compute, rows=batch_size)
     cache_dtype = jnp.dtype(model.model.embed_tokens.embedding[...].dtype)
     order = sorted(range(len(prompts)), key=lambda i: (lens[i], i))
     eos = jnp.asarray(list(eos_token_ids), jnp.int32)

@@ -385,11 +385,12 @@ def test_bf16_dot_kernel_matches_bf16_products(M, K, N):
 
 
 @needs_kernels
-def test_bf16_compute_decode_state(tied):
+def test_bf16_compute_decode_state(tied, monkeypatch):
     """``decode_state(compute="bfloat16")``: decode steps on the bf16 kernel equal the same
     arithmetic on XLA's bf16 dot (every row off the kernel) within float32 rounding, and differ
     from the float32 state by bf16 rounding only; a prefill takes XLA's bf16 dot; the layer's own
     bf16 arithmetic and bad dtypes are left alone / refused."""
+    monkeypatch.setenv("SPECJAX_BF16_DOT", "kernel")  # the k-pair panels, whatever this host's CPU
     graphdef, state = nnx.split(tied)
     view = panels.decode_state(tied, state, compute="bfloat16")
     assert isinstance(view["model"]["layers"][0]["mlp"]["up_proj"]["kernel"].get_value(), panels.Paneled)
@@ -425,11 +426,12 @@ def test_bf16_compute_decode_state(tied):
 
 
 @needs_kernels
-def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied):
+def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied, monkeypatch):
     """A bf16-compute state runs matmuls and the cached attention on the native kernels up to
     MAX_ROWS_BF16 rows (a regeneration batch of 32 or 64 sequences), beyond MAX_ROWS; the float32
     panel view keeps MAX_ROWS; past the limit both take XLA's ops. Outputs on the kernels equal
     XLA's bf16 dot's within float32 rounding."""
+    monkeypatch.setenv("SPECJAX_BF16_DOT", "kernel")
     graphdef, state = nnx.split(tied)
     view = panels.decode_state(tied, state, compute="bfloat16")
     f32_view = panels.decode_state(tied, state)
@@ -459,3 +461,60 @@ def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied):
     finally:
         panels.MAX_ROWS, panels.MAX_ROWS_BF16 = limits
     assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
+def test_bf16_layout_follows_the_cpu_and_the_rows(monkeypatch):
+    """A bf16-compute state multiplies on XLA's bf16 dot ("dot") on a CPU with AMX tiles past
+    BF16_KERNEL_ROWS_AMX rows a decode step (or with no decode steps), else on the k-pair kernel;
+    SPECJAX_BF16_DOT forces either and refuses anything else."""
+    monkeypatch.delenv("SPECJAX_BF16_DOT", raising=False)
+    n = panels.BF16_KERNEL_ROWS_AMX
+    monkeypatch.setattr(panels, "host_has_amx", lambda: True)
+    assert [panels.bf16_layout(r) for r in (1, n, n + 1, 64, None)] == ["pairs", "pairs", "dot", "dot", "dot"]
+    monkeypatch.setattr(panels, "host_has_amx", lambda: False)
+    assert {panels.bf16_layout(r) for r in (1, n + 1, 64, None)} == {"pairs"}
+    monkeypatch.setenv("SPECJAX_BF16_DOT", "xla")
+    assert panels.bf16_layout(1) == "dot"
+    monkeypatch.setenv("SPECJAX_BF16_DOT", "kernel")
+    monkeypatch.setattr(panels, "host_has_amx", lambda: True)
+    assert panels.bf16_layout(64) == "pairs"
+    monkeypatch.setenv("SPECJAX_BF16_DOT", "amx")
+    with pytest.raises(ValueError, match="SPECJAX_BF16_DOT must be auto, xla or kernel, got 'amx'"):
+        panels.bf16_layout(64)
+
+
+@needs_kernels
+def test_bf16_dot_layout_equals_the_kernel(tied, monkeypatch):
+    """The "dot" layout (the weights in bfloat16 for XLA's bf16 dot): every matmul leaves the
+    k-pair kernel (decode steps and prefill alike) while the cached attention stays on the
+    decode-attention kernel up to MAX_ROWS_BF16 rows, and the logits equal the k-pair kernel's
+    within float32 rounding (the same bf16 products, summed in another order)."""
+    graphdef, state = nnx.split(tied)
+    cfg = tied.config
+    monkeypatch.setenv("SPECJAX_BF16_DOT", "xla")
+    dot = panels.decode_state(tied, state, compute="bfloat16", rows=48)
+    w = dot["model"]["layers"][0]["mlp"]["up_proj"]["kernel"].get_value()
+    assert isinstance(w, panels.Paneled) and w.packed.shape == w.plain.shape and w.packed.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(w.packed), np.asarray(w.plain.astype(jnp.bfloat16)))
+    monkeypatch.setenv("SPECJAX_BF16_DOT", "kernel")
+    pairs = panels.decode_state(tied, state, compute="bfloat16", rows=48)
+    assert pairs["model"]["layers"][0]["mlp"]["up_proj"]["kernel"].get_value().packed.ndim == 4
+
+    def fwd(st, ids, cache):
+        out = nnx.merge(graphdef, st)(ids, cache=cache)
+        return out.logits, out.cache
+
+    ids = jnp.ones((2, 24), jnp.int32)
+    txt = jax.jit(fwd).lower(dot, ids, KVCache.init(cfg, 2, 48)).as_text()
+    assert txt.count("specjax_panel_dot_bf16") == 0 and txt.count("specjax_decode_attention") > 0
+    rng = np.random.default_rng(6)
+    prompt = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 40)), jnp.int32)  # 80 rows: a prefill
+    step = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 24)), jnp.int32)  # 48 rows: on the kernels
+    la, ca = jax.jit(fwd)(dot, prompt, KVCache.init(cfg, 2, 72))
+    lb, cb = jax.jit(fwd)(pairs, prompt, KVCache.init(cfg, 2, 72))
+    assert np.abs(np.asarray(la) - np.asarray(lb)).max() <= 1e-5 * np.abs(np.asarray(lb)).max()
+    sa, _ = jax.jit(fwd)(dot, step, ca)
+    sb, _ = jax.jit(fwd)(pairs, step, cb)
+    assert np.abs(np.asarray(sa) - np.asarray(sb)).max() <= 1e-5 * np.abs(np.asarray(sb)).max()
+    with pytest.raises(ValueError, match="expects 64"):
+        panels.matmul(jnp.ones((1, 66), jnp.float32), panels.pack_dot(jnp.ones((64, 32))))
