@@ -36,6 +36,7 @@ against 185 at 64.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -72,8 +73,9 @@ def bf16_exact(w):
     return jnp.all(w.astype(jnp.bfloat16).astype(w.dtype) == w)
 
 
+@functools.lru_cache(maxsize=1)
 def host_has_amx() -> bool:
-    """This host's CPU has AMX bf16 tiles (``amx_bf16`` in ``/proc/cpuinfo``'s flags)."""
+    """This host's CPU has AMX bf16 tiles (``amx_bf16`` in ``/proc/cpuinfo``'s flags; read once)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             return any(ln.startswith("flags") and "amx_bf16" in ln.split() for ln in f)
