@@ -191,7 +191,8 @@ def fits(x, limit: int | None = None) -> bool:
 
 def bf16_compute(value, dtype=None, out_sharding=None) -> bool:
     """``value`` is a decode-time :class:`Paneled` weight of a bf16-compute state
-    (``decode_state(..., compute="bfloat16")``: k-pair panels, bf16 products for every input),
+    (``decode_state(..., compute="bfloat16")``: k-pair panels or the bf16 ``"dot"`` layout, bf16
+    products for every input),
     for a layer computing in float32 (``dtype`` None or float32) with no output sharding asked for."""
     return (isinstance(value, Paneled) and value.packed.ndim in (2, 4) and out_sharding is None
             and (dtype is None or jnp.dtype(dtype) == jnp.float32))
