@@ -105,11 +105,15 @@ def step(repeats: int) -> dict:
     view = panels.decode_state(model, state)
 
     def bf16_view(layout: str, rows: int):
+        before = os.environ.get("SPECJAX_BF16_DOT")
         os.environ["SPECJAX_BF16_DOT"] = layout
         try:
             return panels.decode_state(model, state, compute="bfloat16", rows=rows)
         finally:
-            del os.environ["SPECJAX_BF16_DOT"]
+            if before is None:
+                del os.environ["SPECJAX_BF16_DOT"]
+            else:
+                os.environ["SPECJAX_BF16_DOT"] = before
 
     @functools.partial(jax.jit, donate_argnums=(2,))
     def run(st, ids, cache):

@@ -121,16 +121,6 @@ def dot_general_f32acc(lhs, rhs, dimension_numbers, precision=None, preferred_el
                                preferred_element_type=preferred_element_type, out_sharding=out_sharding)
 
 
-def plain_bf16_matmul(x, w):
-    """``x @ w`` for a bf16-compute decode weight (:func:`specjax.models.panels.bf16_compute`) on
-    rows the kernel does not take (a prefill): both rounded to bfloat16, products accumulated in
-    float32 (:func:`bmm_f32acc`, XLA's native bf16 path on the CPU), float32 out: the kernel's
-    arithmetic."""
-    lead = x.shape[:-1]
-    y = bmm_f32acc(jnp.reshape(x, (-1, x.shape[-1])).astype(jnp.bfloat16), w.astype(jnp.bfloat16), False, True)
-    return jnp.reshape(y, (*lead, w.shape[-1]))
-
-
 class Dense(nnx.Linear):
     """``nnx.Linear`` that runs on the panel kernel when its kernel is a decode-time
     :class:`specjax.models.panels.Paneled` and the input fits it (a few float32 rows on the CPU)."""
@@ -143,7 +133,7 @@ class Dense(nnx.Linear):
         if wp is not None:
             y = panels.matmul(inputs, wp)
         elif panels.bf16_compute(value, self.dtype, out_sharding):  # a prefill in a bf16-compute decode state
-            y = plain_bf16_matmul(inputs, value.plain)
+            y = panels.bf16_dot(inputs, value.plain)
         else:
             return super().__call__(inputs, out_sharding=out_sharding)
         return y if self.bias is None else y + self.bias[...]
@@ -183,7 +173,7 @@ class Embed(nnx.Embed):
         if wp is not None:
             return panels.matmul(query, wp)
         if panels.bf16_compute(value, self.dtype, out_sharding):
-            return plain_bf16_matmul(query, jnp.transpose(value.plain))
+            return panels.bf16_dot(query, jnp.transpose(value.plain))
         return super().attend(query, out_sharding=out_sharding)
 
 

@@ -228,10 +228,7 @@ def matmul(x, wp):
     if _dot_layout(wp):
         if x.shape[-1] != wp.shape[0]:
             raise ValueError(f"bf16 dot: x has {x.shape[-1]} features, the weight expects {wp.shape[0]}")
-        lead = x.shape[:-1]
-        y = jax.lax.dot_general(jnp.reshape(x, (-1, x.shape[-1])).astype(jnp.bfloat16), wp.astype(jnp.bfloat16),
-                                (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return jnp.reshape(y, (*lead, wp.shape[-1]))
+        return bf16_dot(x, wp)
     if wp.ndim == 4:
         P, H, W, _ = wp.shape
         if x.shape[-1] != 2 * H:
@@ -253,6 +250,17 @@ def matmul(x, wp):
     y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, P * W), jnp.float32),
                          vmap_method="sequential")(jnp.reshape(x, (M, K)), wp)
     return jnp.reshape(y, (*lead, P * W))
+
+
+def bf16_dot(x, w):
+    """``x @ w`` with both rounded to bfloat16, products accumulated in float32 and float32 out
+    (XLA's native bf16 dot on the CPU: AMX tiles where the CPU has them): the bf16-compute
+    kernels' arithmetic, for the ``"dot"`` layout and for a prefill's rows past the k-pair
+    kernel's limit. ``x`` [..., K], ``w`` [K, N]."""
+    lead = x.shape[:-1]
+    y = jax.lax.dot_general(jnp.reshape(x, (-1, x.shape[-1])).astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                            (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return jnp.reshape(y, (*lead, w.shape[-1]))
 
 
 def decode_attention(q, k, v, positions, *, window: int | None, scale: float):

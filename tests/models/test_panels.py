@@ -376,9 +376,7 @@ def test_bf16_dot_kernel_matches_bf16_products(M, K, N):
     bound = 1e-6 * np.sqrt(K) * (np.abs(xb) @ np.abs(wb)).max()
     assert np.abs(y - want).max() <= bound
     assert not np.allclose(y, np.asarray(x, np.float64) @ np.asarray(w, np.float64), rtol=1e-6, atol=0)  # bf16 products
-    from specjax.models.layers import plain_bf16_matmul
-
-    xla = np.asarray(plain_bf16_matmul(x, w))
+    xla = np.asarray(panels.bf16_dot(x, w))
     assert np.abs(y - xla).max() <= bound
     with pytest.raises(ValueError, match=f"expects {K}"):
         panels.matmul(jnp.ones((1, K + 2), jnp.float32), panels.pack_pairs(w))
