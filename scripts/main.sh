@@ -92,11 +92,13 @@ lap audit
 mkdir -p runs/eval
 for set in code prose; do
   "$SJ" data prompts "eval-$set" --out "runs/eval/$set.jsonl" --n "$N_EVAL" >/dev/null
-  echo "== bench: held-out $set prompts, one prompt at a time, k=3, up to $NEW_TOKENS new tokens"
-  "$SJ" bench --target default --draft "$DRAFT" --prompts "runs/eval/$set.jsonl" --k 3 --batch-size 1 \
-    --max-new-tokens "$NEW_TOKENS" --prompt-bucket 128 --plot "$RUN/bench-$set.png" --json | tee "$RUN/bench-$set.json"
-  lap "bench-$set"
 done
+# one process benches both sets in turn (one start-up, target load and compile for the two)
+echo "== bench: held-out code and prose prompts, one prompt at a time, k=3, up to $NEW_TOKENS new tokens"
+"$SJ" bench --target default --draft "$DRAFT" --prompts runs/eval/code.jsonl --prompts runs/eval/prose.jsonl \
+  --k 3 --batch-size 1 --max-new-tokens "$NEW_TOKENS" --prompt-bucket 128 \
+  --plot "$RUN/bench-{name}.png" --out "$RUN/bench-{name}.json" --json
+lap bench
 
 TOTAL=$(( $(ms) - T_ALL ))
 "$VENV/bin/python" - "$RECIPE" "$RUN" "$TOTAL" "${#STAGES[@]}" "${STAGES[@]}" "${SECS[@]}" <<'PY'

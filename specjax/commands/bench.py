@@ -2,13 +2,20 @@
 device mesh (``--mesh``; several processes with ``--coordinator/--num-processes/--process-id``:
 every process runs the bench, process 0 prints and writes the JSON and the plot).
 
+``--prompts`` given several times benches each prompt set in turn in one process: the target and
+the draft load once, and a set whose prompts pad to the buckets of an earlier one reuses its
+compiled loops (the main job's code and prose benches: one start-up, load and compile instead of
+two). ``--json`` then prints one line per set; ``--plot`` and ``--out`` take ``{name}`` (the set's
+name: a file's stem, a builtin set's name), replaced per set.
+
 The decode loop and the target loader (jax, flax) are imported inside the command, so that
 `specjax --help` stays fast."""
 
 from __future__ import annotations
 
 import json
-from typing import Optional
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 
@@ -39,10 +46,38 @@ def bench_prompts(spec: str, *, max_samples: int | None = None, shuffle_seed: in
     return out
 
 
+def set_name(spec: str) -> str:
+    """A prompt set's short name for ``{name}`` in ``--plot`` / ``--out``: a file's or directory's
+    stem (``runs/eval/code.jsonl`` -> ``code``), a builtin set's name (``builtin:eval-code:16`` ->
+    ``eval-code``), an hf set's id with ``/`` as ``-``."""
+    s = spec.strip()
+    if s.startswith("builtin:"):
+        return s.split(":")[1]
+    if s.startswith("hf:"):
+        return s[3:].split(":")[0].replace("/", "-")
+    return Path(s.rstrip("/")).stem or s
+
+
+def set_paths(pattern: Optional[str], names: List[str], option: str) -> List[Optional[str]]:
+    """``pattern`` with ``{name}`` replaced by each set's name; one set may leave it out. Several
+    sets need ``{name}`` in it and distinct names (else ValueError naming ``option``)."""
+    if pattern is None:
+        return [None] * len(names)
+    if len(names) > 1:
+        if "{name}" not in pattern:
+            raise ValueError(f"{option} {pattern!r}: with {len(names)} --prompts sets it must contain '{{name}}' "
+                             f"(replaced by each set's name: {', '.join(names)})")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"{option}: two --prompts sets share the name {dup[0]!r}; give them distinct file names")
+    return [pattern.replace("{name}", n) for n in names]
+
+
 def bench_cmd(
-    prompts: str = typer.Option(..., "--prompts", help="a .jsonl/.json/.parquet/.arrow file, a directory of them, a "
-                                "save_to_disk directory, hf:<id>[:<config>][:<split>] or builtin:<set>[:<n>]; records: "
-                                "{prompt|text}, {conversations|messages} (up to the last user turn), {prompt_ids}"),
+    prompts: List[str] = typer.Option(..., "--prompts", help="a .jsonl/.json/.parquet/.arrow file, a directory of them, "
+                                      "a save_to_disk directory, hf:<id>[:<config>][:<split>] or builtin:<set>[:<n>]; "
+                                      "records: {prompt|text}, {conversations|messages} (up to the last user turn), "
+                                      "{prompt_ids}; give it several times to bench each set in turn in one process"),
     target: str = typer.Option("default", "--target", "-t", help="'default' (embedded SmolLM2), a .gguf file, an HF "
                                "model dir, or an HF repo id (local HF cache; --download fetches it)"),
     draft: str = typer.Option("self", "--draft", "-d",
@@ -67,7 +102,9 @@ def bench_cmd(
     cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="cache a dequantised GGUF as an HF dir here"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON line"),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="write a PNG: per-position acceptance and the "
-                                            "tokens-per-step histogram"),
+                                            "tokens-per-step histogram ('{name}': the set's name)"),
+    out_path: Optional[str] = typer.Option(None, "--out", help="write the JSON report to this file too, atomically "
+                                           "('{name}': the set's name; needed with several --prompts)"),
     repeats: int = typer.Option(1, "--repeats", min=1, help="interleaved passes; each side's fastest is kept"),
     prompt_bucket: int = typer.Option(32, "--prompt-bucket", min=8,
                                       help="prompts pad to a multiple of this; one compile of each loop per "
@@ -93,32 +130,37 @@ def bench_cmd(
     """Measure speculative decoding against the target alone: acceptance (tau, per position), tokens/s,
     speedup, the draft/target cost ratio c and the speedup the formula predicts from them."""
     try:
-        rep, dev_mesh, main = _run_bench(
+        names = [set_name(p) for p in prompts]
+        plots, outs = set_paths(plot_path, names, "--plot"), set_paths(out_path, names, "--out")
+
+        def report(rep, dev_mesh):  # the main process, as each set finishes
+            if as_json:
+                print(json.dumps(rep.data), flush=True)
+            else:
+                _print_bench(rep.data, dev_mesh)
+
+        _run_bench(
             mesh=mesh, coordinator=coordinator, num_processes=num_processes, process_id=process_id, prompts=prompts,
             target=target, draft=draft, k=k, temperature=temperature, top_p=top_p, top_k=top_k,
             max_new_tokens=max_new_tokens, batch_size=batch_size, max_samples=max_samples, shuffle_seed=shuffle_seed,
             chat=chat, draft_sampling=draft_sampling, lossless=lossless, seed=seed, dtype=dtype, cache_dir=cache_dir,
-            plot_path=plot_path, repeats=repeats, prompt_bucket=prompt_bucket, progress=progress, download=download,
-            tree=tree, tree_topk=tree_topk, tree_depth=tree_depth, tree_nodes=tree_nodes,
-            tree_calibration=tree_calibration)
+            plot_paths=plots, out_paths=outs, repeats=repeats, prompt_bucket=prompt_bucket, progress=progress,
+            download=download, tree=tree, tree_topk=tree_topk, tree_depth=tree_depth, tree_nodes=tree_nodes,
+            tree_calibration=tree_calibration, on_report=report)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
-    if not main:  # multi-process: every process ran the same bench; one reports
-        return
-    d = rep.data
-    if as_json:
-        print(json.dumps(d))
-        return
-    _print_bench(d, dev_mesh)
 
 
 def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target, draft, k, temperature, top_p, top_k,
                max_new_tokens, batch_size, max_samples, shuffle_seed, chat, draft_sampling, lossless, seed, dtype,
-               cache_dir, plot_path, repeats, prompt_bucket, progress, download, tree=None, tree_topk=None,
-               tree_depth=None, tree_nodes=None, tree_calibration=4):
-    """Set up the devices, read the prompts, load the target and draft (into the mesh's shardings
-    when it has several devices) and run both sides; with --plot, process 0 draws it. Returns
-    ``(report, device mesh, whether this is the main process)``."""
+               cache_dir, plot_paths, out_paths, repeats, prompt_bucket, progress, download, tree=None, tree_topk=None,
+               tree_depth=None, tree_nodes=None, tree_calibration=4, on_report=None):
+    """Set up the devices, read every prompt set, load the target and draft once (into the mesh's
+    shardings when it has several devices) and run both sides on each set in turn; process 0 draws
+    each set's plot, writes its ``--out`` file and hands its report to ``on_report(report,
+    device mesh)`` as the set finishes. Returns ``(reports, device mesh, whether this is the main
+    process)``."""
+    from specjax import storage
     from specjax.decode import bench, bench_plot
     from specjax.decode.sampling import SamplingParams
     from specjax.decode.speculative import load_spec_draft
@@ -137,25 +179,33 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if draft_sampling not in ("greedy", "sample"):
         raise ValueError(f"--draft-sampling must be 'greedy' or 'sample', got {draft_sampling!r}")
-    raw = bench_prompts(prompts, max_samples=max_samples, shuffle_seed=shuffle_seed)  # before any model loads
+    # every set read (and checked) before any model loads
+    raws = [bench_prompts(p, max_samples=max_samples, shuffle_seed=shuffle_seed) for p in prompts]
     fetch_target(target, download=download)  # repo ids: into the local HF cache (only with --download)
     draft = draft_dir(draft, download=download)
     lt = Placement.of(dev_mesh).load_target(target, dtype=dt, cache_dir=cache_dir, progress=progress)
     sd = load_spec_draft(draft, lt, dtype=dt, mesh=dev_mesh)
-    ids = bench.encode(lt, raw, chat=chat)
     tok = lt.tokenizer
-    rep = bench.run_bench(lt.model, sd, ids, k=k, sampling=sampling, max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, seed=seed, eos_token_ids=lt.eos_token_ids,
-                          pad_id=tok.pad_token_id if tok is not None else None, draft_sampling=draft_sampling,
-                          lossless=lossless, progress=progress, repeats=repeats, prompt_bucket=prompt_bucket,
-                          extra={"target": lt.source},
-                          mesh=dev_mesh if sharded else None, tree=tree_spec, tree_calibration=tree_calibration)
-    if plot_path:
-        if main:
-            bench_plot.plot(rep, plot_path)
-        sync("specjax-bench-plot")
-        rep.data["plot"] = plot_path
-    return rep, dev_mesh, main
+    reps = []
+    for spec, raw, plot_path, out_path in zip(prompts, raws, plot_paths, out_paths):
+        ids = bench.encode(lt, raw, chat=chat)
+        rep = bench.run_bench(lt.model, sd, ids, k=k, sampling=sampling, max_new_tokens=max_new_tokens,
+                              batch_size=batch_size, seed=seed, eos_token_ids=lt.eos_token_ids,
+                              pad_id=tok.pad_token_id if tok is not None else None, draft_sampling=draft_sampling,
+                              lossless=lossless, progress=progress, repeats=repeats, prompt_bucket=prompt_bucket,
+                              extra={"target": lt.source, "prompts_source": spec},
+                              mesh=dev_mesh if sharded else None, tree=tree_spec, tree_calibration=tree_calibration)
+        if plot_path:
+            if main:
+                bench_plot.plot(rep, plot_path)
+            sync("specjax-bench-plot")
+            rep.data["plot"] = plot_path
+        if out_path and main:
+            storage.write_text(out_path, json.dumps(rep.data) + "\n")
+        if main and on_report is not None:
+            on_report(rep, dev_mesh)
+        reps.append(rep)
+    return reps, dev_mesh, main
 
 
 def _print_bench(d: dict, dev_mesh) -> None:

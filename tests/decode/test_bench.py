@@ -109,3 +109,34 @@ def test_round_costs_keep_tiny_positive_times():
     assert round_ms(0.00041234) == 0.00041234 and round_ms(15.123456) == 15.123 and round_ms(1234.5678) == 1234.6
     assert per_round(1.0e-3, 1.0000012e-3, 3) > 0 and round_ms(1e3 * per_round(1.0e-3, 1.0000012e-3, 3)) > 0
     assert per_round(1.0e-3, 0.9e-3, 3) == pytest.approx(0.9e-3 / 6)
+
+
+def test_bench_several_prompt_sets_in_one_process(ckpts, tmp_path):
+    """``--prompts`` twice: each set benched in turn with one load; ``{name}`` in ``--out`` /
+    ``--plot`` names each set's files, every report equals the same set benched alone, and several
+    sets without ``{name}`` (or two sets of one name) are refused before any model loads."""
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps({"prompt_ids": ids}) for ids in ([3, 4, 5, 6], [9, 8, 7])) + "\n")
+    base = ["bench", "-t", str(ckpts["target"]), "-d", str(ckpts["draft"]), "--k", "2", "-n", "5", "-b", "1",
+            "--no-chat", "--json", "--no-progress"]
+    code, out = _run(base + ["--prompts", str(ckpts["prompts"]), "--prompts", str(other),
+                             "--out", str(tmp_path / "r-{name}.json"), "--plot", str(tmp_path / "r-{name}.png")])
+    assert code == 0, out
+    lines = [json.loads(x) for x in out.strip().splitlines() if x.startswith("{")]
+    assert [d["prompts"] for d in lines] == [3, 2]
+    assert [d["prompts_source"] for d in lines] == [str(ckpts["prompts"]), str(other)]
+    for name, d in zip(("prompts", "other"), lines):
+        assert json.loads((tmp_path / f"r-{name}.json").read_text()) == d
+        assert (tmp_path / f"r-{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and d["plot"].endswith(f"r-{name}.png")
+    for src, d in zip((ckpts["prompts"], other), lines):
+        code, out = _run(base + ["--prompts", str(src)])
+        assert code == 0, out
+        alone = json.loads(out.strip().splitlines()[-1])
+        for key in ("tau", "per_position_acceptance", "tokens_per_step", "rounds", "identical_greedy_outputs"):
+            assert alone[key] == d[key], key
+        assert alone["target_only"]["tokens"] == d["target_only"]["tokens"]
+    code, out = _run(base + ["--prompts", str(ckpts["prompts"]), "--prompts", str(other), "--out",
+                             str(tmp_path / "r.json")])
+    assert code == 2 and "--out" in out and "'{name}'" in out and "prompts, other" in out
+    code, out = _run(base + ["--prompts", str(other), "--prompts", str(other), "--plot", str(tmp_path / "{name}.png")])
+    assert code == 2 and "share the name 'other'" in out
