@@ -158,8 +158,7 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
     """Set up the devices, read every prompt set, load the target and draft once (into the mesh's
     shardings when it has several devices) and run both sides on each set in turn; process 0 draws
     each set's plot, writes its ``--out`` file and hands its report to ``on_report(report,
-    device mesh)`` as the set finishes. Returns ``(reports, device mesh, whether this is the main
-    process)``."""
+    device mesh)`` as the set finishes."""
     from specjax import storage
     from specjax.decode import bench, bench_plot
     from specjax.decode.sampling import SamplingParams
@@ -186,7 +185,6 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
     lt = Placement.of(dev_mesh).load_target(target, dtype=dt, cache_dir=cache_dir, progress=progress)
     sd = load_spec_draft(draft, lt, dtype=dt, mesh=dev_mesh)
     tok = lt.tokenizer
-    reps = []
     for spec, raw, plot_path, out_path in zip(prompts, raws, plot_paths, out_paths):
         ids = bench.encode(lt, raw, chat=chat)
         rep = bench.run_bench(lt.model, sd, ids, k=k, sampling=sampling, max_new_tokens=max_new_tokens,
@@ -204,8 +202,6 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
             storage.write_text(out_path, json.dumps(rep.data) + "\n")
         if main and on_report is not None:
             on_report(rep, dev_mesh)
-        reps.append(rep)
-    return reps, dev_mesh, main
 
 
 def _print_bench(d: dict, dev_mesh) -> None:

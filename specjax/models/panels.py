@@ -150,11 +150,16 @@ def pack_dot(w):
 
 def pack_embedding_dot(e):
     """Embedding [V, H] -> its transpose [H, V] in bfloat16 (a tied LM head in the ``"dot"`` layout)."""
-    return jnp.transpose(e).astype(jnp.bfloat16)
+    return pack_dot(jnp.transpose(e))
 
 
 def _dot_layout(wp) -> bool:
     return wp.ndim == 2
+
+
+def _bf16_state(value) -> bool:
+    """``value`` is a weight of a bf16-compute decode state: k-pair panels (4-D) or the ``"dot"`` layout (2-D)."""
+    return isinstance(value, Paneled) and value.packed.ndim in (2, 4)
 
 
 def unpack(wp):
@@ -179,7 +184,7 @@ def row_limit(value) -> int:
 def attention_row_limit(value) -> int:
     """How many query rows the cached attention of a layer whose projection holds ``value`` runs
     on the decode-attention kernel: :data:`MAX_ROWS_BF16` in a bf16-compute state, else :data:`MAX_ROWS`."""
-    return MAX_ROWS_BF16 if isinstance(value, Paneled) and value.packed.ndim in (2, 4) else MAX_ROWS
+    return MAX_ROWS_BF16 if _bf16_state(value) else MAX_ROWS
 
 
 def fits(x, limit: int | None = None) -> bool:
@@ -194,8 +199,7 @@ def bf16_compute(value, dtype=None, out_sharding=None) -> bool:
     (``decode_state(..., compute="bfloat16")``: k-pair panels or the bf16 ``"dot"`` layout, bf16
     products for every input),
     for a layer computing in float32 (``dtype`` None or float32) with no output sharding asked for."""
-    return (isinstance(value, Paneled) and value.packed.ndim in (2, 4) and out_sharding is None
-            and (dtype is None or jnp.dtype(dtype) == jnp.float32))
+    return _bf16_state(value) and out_sharding is None and (dtype is None or jnp.dtype(dtype) == jnp.float32)
 
 
 def panels_for(value, x, *, dtype=None, out_sharding=None):
