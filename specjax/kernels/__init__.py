@@ -130,6 +130,18 @@ def available(platform: str | None = None) -> bool:
     return (platform or placement.platform()) == "cpu" and load()
 
 
+def amx_tiles() -> bool:
+    """The bf16-compute kernel (``specjax_panel_dot_bf16``) multiplies on AMX tiles: the build
+    targets a CPU with ``amx_bf16`` and the OS let this process use the tiles. False when the
+    kernels are unavailable (:func:`available`)."""
+    if not available("cpu"):
+        return False
+    with _lock:
+        if "amx" not in _state:
+            _state["amx"] = bool(_state["lib"].specjax_amx_tiles())
+        return _state["amx"]
+
+
 def status() -> dict:
     """``{"enabled", "loaded", "reason"}`` for reports."""
     return {"enabled": not disabled_by_env(), "loaded": bool(_state.get("ok")), "reason": _state.get("why")}

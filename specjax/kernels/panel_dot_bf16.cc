@@ -12,6 +12,13 @@
 // float32 (8-bit significands) and each sum rounded to nearest even: vdpbf16ps as Intel documents
 // it (inputs and outputs denormal-flushed). Without AVX512-BF16 (or AVX-512) the same two
 // float32 FMAs per pair run on 16-float vectors, identical but for denormals.
+//
+// On a CPU with AMX tiles (amx_bf16, built with -march=native there) every call takes the tiles
+// instead (AMX_MIN_ROWS rows or more, K a multiple of 32): one TDPBF16PS multiplies 16 rows by a 32 x 16 block of the panel (the k-pair
+// layout is the tile's B layout as it stands, 16 columns of pairs per 64-byte row, at a stride of
+// the panel's width), so a verify of 16-64 rows costs about what streaming the panel costs, where
+// vdpbf16ps pays a broadcast and an instruction per row. Same products (exact) and float32 sums,
+// in the tile's order: outputs agree with the vector path to float32 rounding, not bit for bit.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -21,10 +28,21 @@
 #define SPECJAX_DPBF16 1
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SPECJAX_AMX 1
+#endif
+
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 1
+#endif
 
 using specjax::load16;
 using specjax::store16;
@@ -111,6 +129,75 @@ void panel_dot(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float
   }
 }
 
+#if SPECJAX_AMX
+// Linux hands out the tiles' 8 KB of state only to a process that asks (once, for all its threads).
+bool amx_permitted() {
+  static const bool ok = [] {
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0..3: the accumulators of up to 4 column blocks (mr rows of 16 floats); 4: mr rows of x
+// (32 bf16 each); 5, 6: 16 k-pair rows of the panel (16 columns of pairs), alternating.
+void configure(int mr) {
+  TileConfig c;
+  for (int t = 0; t < 5; t++) c.rows[t] = static_cast<uint8_t>(mr), c.colsb[t] = 64;
+  for (int t = 5; t < 7; t++) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// (GCC's tile intrinsics paste the tile numbers into the instruction text: literals only.)
+#define SPECJAX_BLOCK(C, B)                       \
+  do {                                            \
+    _tile_loadd(B, wh + 32 * C, wstride);         \
+    _tile_dpbf16ps(C, 4, B);                      \
+  } while (0)
+
+// All M rows times one panel w [K/2, 16*V, 2], K a multiple of 32: rows in groups of 16, each
+// group's accumulators held in tiles over the whole of K (the panel stays in the core's L2 for
+// the next group).
+template <int V>
+void panel_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N) {
+  const int64_t wstride = 64 * V;  // bytes from one k-pair row of the panel to the next
+  int configured = 0;
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const int mr = static_cast<int>(std::min<int64_t>(16, M - r0));
+    if (mr != configured) {
+      configure(mr);
+      configured = mr;
+    }
+    _tile_zero(0);
+    if (V > 1) { _tile_zero(1); }
+    if (V > 2) { _tile_zero(2); _tile_zero(3); }
+    const uint16_t* xr = x + r0 * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const uint16_t* wh = w + (k / 2) * 32 * V;  // k-pair row k/2 of the panel
+      __builtin_prefetch(wh + 32 * V * 64);
+      _tile_loadd(4, xr + k, K * 2);
+      SPECJAX_BLOCK(0, 5);
+      if (V > 1) { SPECJAX_BLOCK(1, 6); }
+      if (V > 2) { SPECJAX_BLOCK(2, 5); SPECJAX_BLOCK(3, 6); }
+    }
+    float* yr = y + r0 * N;
+    _tile_stored(0, yr, N * 4);
+    if (V > 1) { _tile_stored(1, yr + 16, N * 4); }
+    if (V > 2) { _tile_stored(2, yr + 32, N * 4); _tile_stored(3, yr + 48, N * 4); }
+  }
+  _tile_release();
+}
+#undef SPECJAX_BLOCK
+#endif
+
 ffi::Error PanelDotBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                         ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
@@ -133,6 +220,20 @@ ffi::Error PanelDotBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buf
   const auto* wp = reinterpret_cast<const uint16_t*>(w.typed_data());
   float* yp = y->typed_data();
   const int64_t N = P * Wd;
+#if SPECJAX_AMX
+  if (M >= AMX_MIN_ROWS && K % 32 == 0 && amx_permitted()) {
+    specjax::parallel_for(pool, P, [=](int64_t p) {
+      const uint16_t* wpp = wp + p * K * Wd;
+      float* ypp = yp + p * Wd;
+      switch (Wd) {
+        case 16: panel_amx<1>(xp, M, K, wpp, ypp, N); break;
+        case 32: panel_amx<2>(xp, M, K, wpp, ypp, N); break;
+        default: panel_amx<4>(xp, M, K, wpp, ypp, N); break;
+      }
+    });
+    return ffi::Error::Success();
+  }
+#endif
   specjax::parallel_for(pool, P, [=](int64_t p) {
     const uint16_t* wpp = wp + p * K * Wd;
     float* ypp = yp + p * Wd;
@@ -146,6 +247,16 @@ ffi::Error PanelDotBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buf
 }
 
 }  // namespace
+
+// 1 when this build multiplies on AMX tiles (compiled for a CPU with them, and Linux let the process
+// use them), else 0: read through ctypes (specjax.kernels.amx_tiles).
+extern "C" int specjax_amx_tiles() {
+#if SPECJAX_AMX
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_panel_dot_bf16, PanelDotBf16,
                               ffi::Ffi::Bind()

@@ -55,7 +55,8 @@ MAX_ROWS = 16  # rows (batch x tokens) up to which the panel kernel runs; longer
 # a decode step of 32 or 64 rows still streams each weight once (64 prompts x 96 tokens: 306 new tokens/s at 16
 # rows a step, 348 at 32, 360 at 64); a prefill's thousands of rows still take XLA's bf16 dot
 MAX_ROWS_BF16 = 64
-# a bf16-compute state's decode steps of more rows than this take XLA's bf16 dot on a CPU with AMX (bf16_layout)
+# a bf16-compute state's decode steps of more rows than this take XLA's bf16 dot on a CPU with AMX whose k-pair
+# kernel was built without the tiles (bf16_layout)
 BF16_KERNEL_ROWS_AMX = 8
 WIDTHS = (64, 32, 16)
 MIN_PANELS = 8  # prefer the widest panel that still gives this many (work units for the threads)
@@ -83,18 +84,31 @@ def host_has_amx() -> bool:
         return False
 
 
+def kernel_has_amx() -> bool:
+    """The k-pair kernel multiplies on AMX tiles here (:func:`specjax.kernels.amx_tiles`)."""
+    return kernels.amx_tiles()
+
+
 def bf16_layout(rows: int | None) -> str:
     """The layout of a bf16-compute state's weights for decode steps of ``rows`` rows (None: no
-    decode steps, a prefill's many rows): ``"dot"`` (the weight in bfloat16, XLA's bf16 dot for
-    every input) on a host with AMX (:func:`host_has_amx`) and more than
-    :data:`BF16_KERNEL_ROWS_AMX` rows, else ``"pairs"`` (k-pair panels, the ``vdpbf16ps`` kernel up to
-    :data:`MAX_ROWS_BF16` rows). ``SPECJAX_BF16_DOT`` = ``xla`` / ``kernel`` forces one."""
+    decode steps, a prefill's many rows): ``"pairs"`` (k-pair panels, the bf16 kernel up to
+    :data:`MAX_ROWS_BF16` rows) or ``"dot"`` (the weight in bfloat16, XLA's bf16 dot for every
+    input). On a host with AMX (:func:`host_has_amx`): ``"dot"`` with no decode steps or more rows
+    than the kernel takes; where the kernel itself runs on the tiles (:func:`kernel_has_amx`) it
+    takes every decode step up to :data:`MAX_ROWS_BF16` rows, streaming each weight once (at 64
+    rows XLA's dot reads a weight at a fraction of the memory's speed), else ``"dot"`` past
+    :data:`BF16_KERNEL_ROWS_AMX` rows. Without AMX: ``"pairs"``. ``SPECJAX_BF16_DOT`` = ``xla`` /
+    ``kernel`` forces one."""
     force = os.environ.get("SPECJAX_BF16_DOT", "auto").strip().lower()
     if force not in ("auto", "xla", "kernel"):
         raise ValueError(f"SPECJAX_BF16_DOT must be auto, xla or kernel, got {force!r}")
     if force != "auto":
         return "dot" if force == "xla" else "pairs"
-    return "dot" if host_has_amx() and (rows is None or rows > BF16_KERNEL_ROWS_AMX) else "pairs"
+    if not host_has_amx():
+        return "pairs"
+    if rows is None:
+        return "dot"
+    return "dot" if rows > (MAX_ROWS_BF16 if kernel_has_amx() else BF16_KERNEL_ROWS_AMX) else "pairs"
 
 
 def panel_width(n: int) -> int | None:
@@ -472,7 +486,7 @@ def decode_state(root, state, *, compute: str = "float32", rows: int | None = No
     float32). Not float32's outputs: for work that takes bf16 arithmetic anyway (regenerating
     training data), about twice the throughput on a CPU with AVX512-BF16. ``rows``: the rows
     (batch x tokens) of the state's decode steps (None: none, prefills only), which pick the bf16
-    layout (:func:`bf16_layout`: on a CPU with AMX, XLA's bf16 dot past a few rows)."""
+    layout (:func:`bf16_layout`)."""
     if compute not in COMPUTE_DTYPES:
         raise ValueError(f"decode compute dtype must be one of {COMPUTE_DTYPES}, got {compute!r}")
     if not kernels.available(placement.platform_of(state)):

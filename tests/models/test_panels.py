@@ -361,11 +361,13 @@ def test_pack_pairs_layout():
 
 
 @needs_kernels
-@pytest.mark.parametrize("M", [1, 3, 4, 5, 16])
-@pytest.mark.parametrize("K,N", [(2, 16), (64, 48), (100, 96), (576, 192), (300, 2048)])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("K,N", [(2, 16), (64, 48), (100, 96), (576, 192), (300, 2048), (1536, 576)])
 def test_bf16_dot_kernel_matches_bf16_products(M, K, N):
     """The bf16-compute kernel: x and w rounded to bf16, the products summed in float32; against
-    float64 sums of the same bf16 values (and XLA's bf16 dot, float32 accumulation)."""
+    float64 sums of the same bf16 values (and XLA's bf16 dot, float32 accumulation). On a CPU with
+    AMX the calls with K a multiple of 32 run on the tiles (16-row groups: 17 and 40 rows leave a
+    short group; panel widths 16, 32 and 64), the others on the vector path."""
     rng = np.random.default_rng(M * 1000 + K)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
@@ -462,12 +464,17 @@ def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied, monkeypatc
 
 
 def test_bf16_layout_follows_the_cpu_and_the_rows(monkeypatch):
-    """A bf16-compute state multiplies on XLA's bf16 dot ("dot") on a CPU with AMX tiles past
-    BF16_KERNEL_ROWS_AMX rows a decode step (or with no decode steps), else on the k-pair kernel;
-    SPECJAX_BF16_DOT forces either and refuses anything else."""
+    """A bf16-compute state multiplies on the k-pair kernel for decode steps up to MAX_ROWS_BF16
+    rows where the kernel runs on AMX tiles; on a CPU with AMX whose kernel lacks them, on XLA's
+    bf16 dot ("dot") past BF16_KERNEL_ROWS_AMX rows; with AMX and no decode steps (a prefill's
+    rows) on XLA's dot; without AMX on the kernel. SPECJAX_BF16_DOT forces either and refuses
+    anything else."""
     monkeypatch.delenv("SPECJAX_BF16_DOT", raising=False)
-    n = panels.BF16_KERNEL_ROWS_AMX
+    n, top = panels.BF16_KERNEL_ROWS_AMX, panels.MAX_ROWS_BF16
     monkeypatch.setattr(panels, "host_has_amx", lambda: True)
+    monkeypatch.setattr(panels, "kernel_has_amx", lambda: True)
+    assert [panels.bf16_layout(r) for r in (1, n + 1, top, top + 1, None)] == ["pairs", "pairs", "pairs", "dot", "dot"]
+    monkeypatch.setattr(panels, "kernel_has_amx", lambda: False)
     assert [panels.bf16_layout(r) for r in (1, n, n + 1, 64, None)] == ["pairs", "pairs", "dot", "dot", "dot"]
     monkeypatch.setattr(panels, "host_has_amx", lambda: False)
     assert {panels.bf16_layout(r) for r in (1, n + 1, 64, None)} == {"pairs"}
@@ -479,6 +486,18 @@ def test_bf16_layout_follows_the_cpu_and_the_rows(monkeypatch):
     monkeypatch.setenv("SPECJAX_BF16_DOT", "amx")
     with pytest.raises(ValueError, match="SPECJAX_BF16_DOT must be auto, xla or kernel, got 'amx'"):
         panels.bf16_layout(64)
+
+
+@needs_kernels
+@pytest.mark.skipif(not panels.host_has_amx(), reason="the CPU has no AMX tiles")
+def test_the_bf16_kernel_takes_the_tiles_on_a_cpu_with_amx():
+    """Built for this CPU (the default ``-march=native``), the k-pair kernel multiplies on the AMX
+    tiles the CPU has, and a bf16-compute state keeps it for decode steps up to MAX_ROWS_BF16 rows
+    (the tiles stream each weight once, where XLA's dot did not)."""
+    from specjax import kernels
+
+    assert kernels.amx_tiles()
+    assert panels.kernel_has_amx() and panels.bf16_layout(panels.MAX_ROWS_BF16) == "pairs"
 
 
 @needs_kernels
