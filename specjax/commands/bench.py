@@ -99,6 +99,9 @@ def bench_cmd(
                                   help="ignore the checkpoint's verifier_accept_k/accept_tolerance"),
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (keep) | float32 | bfloat16 | float16"),
+    compute: str = typer.Option("float32", "--compute", help="float32 | bfloat16: the matmuls' arithmetic on one CPU "
+                                "device, every side alike (bfloat16: bf16 products with float32 sums on the CPU "
+                                "kernels, AMX tiles where the CPU has them)"),
     cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="cache a dequantised GGUF as an HF dir here"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON line"),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="write a PNG: per-position acceptance and the "
@@ -146,7 +149,7 @@ def bench_cmd(
             chat=chat, draft_sampling=draft_sampling, lossless=lossless, seed=seed, dtype=dtype, cache_dir=cache_dir,
             plot_paths=plots, out_paths=outs, repeats=repeats, prompt_bucket=prompt_bucket, progress=progress,
             download=download, tree=tree, tree_topk=tree_topk, tree_depth=tree_depth, tree_nodes=tree_nodes,
-            tree_calibration=tree_calibration, on_report=report)
+            tree_calibration=tree_calibration, on_report=report, compute=compute)
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
 
@@ -154,7 +157,7 @@ def bench_cmd(
 def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target, draft, k, temperature, top_p, top_k,
                max_new_tokens, batch_size, max_samples, shuffle_seed, chat, draft_sampling, lossless, seed, dtype,
                cache_dir, plot_paths, out_paths, repeats, prompt_bucket, progress, download, tree=None, tree_topk=None,
-               tree_depth=None, tree_nodes=None, tree_calibration=4, on_report=None):
+               tree_depth=None, tree_nodes=None, tree_calibration=4, on_report=None, compute="float32"):
     """Set up the devices, read every prompt set, load the target and draft once (into the mesh's
     shardings when it has several devices) and run both sides on each set in turn; process 0 draws
     each set's plot, writes its ``--out`` file and hands its report to ``on_report(report,
@@ -165,6 +168,7 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
     from specjax.decode.speculative import load_spec_draft
     from specjax.decode.tree_loop import tree_option
     from specjax.sharding.placement import Placement
+    from specjax.models import panels
 
     dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
     sharded = dev_mesh.size > 1
@@ -172,6 +176,7 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
     tree_spec = "auto" if auto else tree_option(tree, topk=tree_topk, depth=tree_depth, num_nodes=tree_nodes)
     if auto and any(x is not None for x in (tree_topk, tree_depth, tree_nodes)):
         raise ValueError("--tree auto chooses a static tree; drop --tree-topk/--tree-depth/--tree-nodes")
+    panels.check_compute(compute, dev_mesh)
     main = is_main_process()
     progress = progress and main
     dt = None if dtype == "auto" else dtype
@@ -192,7 +197,8 @@ def _run_bench(*, mesh, coordinator, num_processes, process_id, prompts, target,
                               pad_id=tok.pad_token_id if tok is not None else None, draft_sampling=draft_sampling,
                               lossless=lossless, progress=progress, repeats=repeats, prompt_bucket=prompt_bucket,
                               extra={"target": lt.source, "prompts_source": spec},
-                              mesh=dev_mesh if sharded else None, tree=tree_spec, tree_calibration=tree_calibration)
+                              mesh=dev_mesh if sharded else None, tree=tree_spec, tree_calibration=tree_calibration,
+                              compute=compute)
         if plot_path:
             if main:
                 bench_plot.plot(rep, plot_path)

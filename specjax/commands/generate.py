@@ -33,6 +33,8 @@ def generate_cmd(
     top_k: int = typer.Option(0, "--top-k", min=0, help="0 = off"),
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (keep) | float32 | bfloat16 | float16"),
+    compute: str = typer.Option("float32", "--compute", help="float32 | bfloat16: the matmuls' arithmetic on one CPU "
+                                "device (bfloat16: bf16 products with float32 sums on the CPU kernels)"),
     cache_dir: Optional[str] = typer.Option(None, "--cache-dir",
                                             help="cache a dequantised GGUF as an HF dir here (also SPECJAX_CACHE_DIR)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -60,12 +62,14 @@ def generate_cmd(
     """Generate continuations with the target alone, or speculatively with --draft (either way the
     whole decode loop is one jit; speculative greedy output equals the target's)."""
     from specjax.decode.tree_loop import tree_option
+    from specjax.models import panels
     from specjax.sharding.placement import Placement
 
     fetch_target(target, download=download)  # repo ids: into the local HF cache (only with --download)
     draft = draft_dir(draft, download=download)
     try:
         dev_mesh = shcli.setup(mesh, coordinator, num_processes, process_id)  # before any other JAX work
+        panels.check_compute(compute, dev_mesh)
         tree_spec = tree_option(tree, topk=tree_topk, depth=tree_depth, num_nodes=tree_nodes)
         if tree_spec is not None and draft is None:
             raise ValueError("a token tree (--tree / --tree-topk ...) needs --draft")
@@ -75,7 +79,7 @@ def generate_cmd(
         t1 = time.perf_counter()
         outs, stats = _decode(prompt, lt, draft, tree_spec, dev_mesh, chat=chat, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dt, k=k,
-                              draft_sampling=draft_sampling, lossless=lossless)
+                              draft_sampling=draft_sampling, lossless=lossless, compute=compute)
         t2 = time.perf_counter()
     except (BridgeError, ValueError) as e:
         fail(e, code=getattr(e, "exit_code", 2))
@@ -85,7 +89,7 @@ def generate_cmd(
 
 
 def _decode(prompt: List[str], lt, draft: Optional[str], tree_spec, dev_mesh, *, chat, max_new_tokens, temperature,
-            top_p, top_k, seed, dtype, k, draft_sampling, lossless):
+            top_p, top_k, seed, dtype, k, draft_sampling, lossless, compute="float32"):
     """Which loop decodes: a token tree, the target alone, or a speculative chain with ``draft``.
     Returns ``(outputs, acceptance stats or None)``."""
     from specjax.decode.generate import generate
@@ -95,13 +99,13 @@ def _decode(prompt: List[str], lt, draft: Optional[str], tree_spec, dev_mesh, *,
     if tree_spec is not None:
         return tree_generate(prompt, tree=tree_spec, target=lt, draft=draft, chat=chat, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
-                             draft_sampling=draft_sampling, mesh=dev_mesh)
+                             draft_sampling=draft_sampling, mesh=dev_mesh, compute=compute)
     if draft is None:
         return generate(prompt, target=lt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_p=top_p, top_k=top_k, seed=seed, mesh=dev_mesh), None
+                        top_p=top_p, top_k=top_k, seed=seed, mesh=dev_mesh, compute=compute), None
     return speculative_generate(prompt, target=lt, draft=draft, chat=chat, max_new_tokens=max_new_tokens, k=k,
                                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
-                                draft_sampling=draft_sampling, lossless=lossless, mesh=dev_mesh)
+                                draft_sampling=draft_sampling, lossless=lossless, mesh=dev_mesh, compute=compute)
 
 
 def _print_generated(prompt: List[str], outs, stats, *, lt, draft, dev_mesh, times, as_json: bool) -> None:

@@ -141,7 +141,7 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
               eos_token_ids: Sequence[int] | None = None, pad_id: int | None = None, draft_sampling: str = "greedy",
               lossless: bool = False, progress: bool = True, cost_iters: int = 10, repeats: int = 1,
               prompt_bucket: int = 32, extra: dict | None = None, mesh=None, tree=None,
-              tree_calibration: int = 4) -> BenchReport:
+              tree_calibration: int = 4, compute: str = "float32") -> BenchReport:
     """Run the comparison (see the module docstring). ``target``: a ``CausalLM``; ``draft``: a
     :class:`SpecDraft`; prompts as token ids. ``repeats`` > 1 runs the whole interleaved pass again
     (same seeds, same outputs) and keeps each side's fastest pass. ``prompt_bucket``: prompts pad
@@ -150,7 +150,10 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     (a third side, interleaved; sharded with ``mesh``): a :class:`specjax.decode.tree.TokenTree`, a path list,
     a :class:`specjax.decode.tree_draft.DynamicTreeSpec`, or ``"auto"`` (calibrated on the first
     ``tree_calibration`` batches and chosen by :mod:`specjax.decode.tree_auto`); the report gains
-    ``"tree"``. Returns a :class:`BenchReport`."""
+    ``"tree"``. ``compute``: every side's matmul arithmetic on one CPU device (``"bfloat16"``:
+    bf16 products, float32 sums; target-only, chain and tree alike, so they stay comparable; see
+    :func:`specjax.decode.generate.generate_ids`); the report gains ``"compute"``. Returns a
+    :class:`BenchReport`."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     prompts = [list(p) for p in prompt_ids]
@@ -161,7 +164,7 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
         mesh = None
     sides = _Sides(target, draft, prompts, kk, batch_size=batch_size, prompt_bucket=prompt_bucket, mesh=mesh,
                    common=dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_token_ids,
-                               pad_id=pad_id, mesh=mesh),
+                               pad_id=pad_id, mesh=mesh, compute=panels.check_compute(compute, mesh)),
                    spec_kw=dict(draft_sampling=draft_sampling, lossless=lossless))
     auto = None
     if tree is not None:
@@ -175,7 +178,8 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
     # the probes' caches: the batches' mean bucket (half filled by the generation, as in the loop)
     probe_len = bucket(int(np.mean(sides.lens)))
     cost = measure_costs(sides.target, draft.module, batch=batch_size, prompt_len=probe_len,
-                         max_new_tokens=max_new_tokens, k=kk, iters=cost_iters, split=sides.split, mesh=mesh)
+                         max_new_tokens=max_new_tokens, k=kk, iters=cost_iters, split=sides.split, mesh=mesh,
+                         compute=compute)
     data, pred_v = _report_fields(draft, kk, sampling, draft_sampling, timed, cost, batch_size=batch_size,
                                   max_new_tokens=max_new_tokens, n_prompts=len(prompts), P=sides.P, lens=sides.lens,
                                   repeats=repeats)
@@ -196,9 +200,10 @@ def run_bench(target, draft: SpecDraft, prompt_ids: Sequence[Sequence[int]], *, 
         data["cpu_kernels"] = kernels.available()
         if data["cpu_kernels"]:  # which weights the kernels stream as bf16 (bf16-valued params)
             data["panel_dtypes"] = panels.panel_dtypes(panels.decode_state(Pair(sides.target, draft.module),
-                                                                           sides.split[1]))
+                                                                           sides.split[1], compute=compute))
     else:
         data["mesh"] = describe(mesh)
+    data["compute"] = compute
     if extra:
         data.update(extra)
     return BenchReport(data)
@@ -299,7 +304,7 @@ class _Sides:
         step_ms, costs = tree_auto.measure_tree_costs(
             self.target, self.draft.module, [t for t, _ in trees], batch=len(self.batches[0][0]),
             prompt_len=bucket(int(np.mean(self.lens))), max_new_tokens=self.common["max_new_tokens"],
-            iters=cost_iters, split=self.split, mesh=self.mesh)
+            iters=cost_iters, split=self.split, mesh=self.mesh, compute=self.common["compute"])
         best, scored = tree_auto.choose_tree(p, step_ms, costs, trees)
         self.tree, self.tree_cost = best.tree, (step_ms, best.cost)
         return {"calibration": {"tree": {"depth": cal.max_depth, "width": p.shape[1]}, "batches": n_cal,
@@ -389,7 +394,8 @@ def _tree_fields(sides: _Sides, timed: _Timed, fixed: dict, auto: dict | None, c
         step_ms, (c,) = tree_auto.measure_tree_costs(sides.target, sides.draft.module, [sides.tree],
                                                      batch=batch_size, prompt_len=probe_len,
                                                      max_new_tokens=max_new_tokens, iters=cost_iters,
-                                                     split=sides.split, mesh=sides.mesh)
+                                                     split=sides.split, mesh=sides.mesh,
+                                                     compute=sides.common["compute"])
     tps = {side: timed.n[side] / timed.t[side] for side in ("base", "spec", "tree")}
     pred = st.tau * step_ms / (c.draft_ms + c.verify_ms)
     out = {**tree_auto.describe_tree(sides.tree), "tau": round(st.tau, 4),

@@ -36,15 +36,17 @@ def best_interleaved(calls, iters: int) -> list[float]:
 
 
 def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens: int, k: int, iters: int = 5,
-                  split=None, mesh=None) -> dict:
+                  split=None, mesh=None, compute: str = "float32") -> dict:
     """Seconds of one target decode step, one verify forward and one draft round at the
     speculative loop's shapes (caches of the loop's sizes, half full), as the on-device loop pays
     them: each probe runs R and 2R rounds in one call, best of ``iters`` (interleaved), and a
     round is the difference per R (host dispatch cancels).
     ``mesh``: inputs and caches placed as the sharded loop places them (batch over data/fsdp,
     heads over tensor; ``batch`` is padded to a multiple of data x fsdp), params as in ``split``
-    (default :func:`specjax.decode.speculative.place_pair`)."""
-    batch, graphdef, state, put, put_cache, mesh = probe_setup(target, draft, batch=batch, mesh=mesh, split=split)
+    (default :func:`specjax.decode.speculative.place_pair`). ``compute``: the loops' matmul
+    arithmetic (:func:`specjax.decode.generate.generate_ids`)."""
+    batch, graphdef, state, put, put_cache, mesh = probe_setup(target, draft, batch=batch, mesh=mesh, split=split,
+                                                               compute=compute, rows=batch * (k + 1))
     cfg = target.config
     S = prompt_len + max_new_tokens
     fill_host = np.full((batch,), prompt_len + max_new_tokens // 2, np.int32)
@@ -80,22 +82,26 @@ def measure_costs(target, draft, *, batch: int, prompt_len: int, max_new_tokens:
             "verify_overhead": t_verify / t_step}
 
 
-def probe_setup(target, draft, *, batch: int, mesh=None, split=None):
+def probe_setup(target, draft, *, batch: int, mesh=None, split=None, compute: str = "float32", rows: int | None = None):
     """What the cost probes run on, as the loops run: ``(batch, graphdef, state, put, put_cache,
     mesh)`` (``mesh`` None for one device).
     One device: the pair's panel view (the weights the single-device loops stream), host arrays
     as they are. A mesh (more than one device): ``batch`` padded to a multiple of data x fsdp,
     params as in ``split`` (default :func:`specjax.decode.speculative.place_pair`), ``put(x)``
-    splits a host array by batch, ``put_cache(cache)`` places a KV cache by batch and heads."""
+    splits a host array by batch, ``put_cache(cache)`` places a KV cache by batch and heads.
+    ``compute`` / ``rows``: the panel view's arithmetic and the most rows a probe's step takes
+    (:func:`specjax.models.panels.decode_state`)."""
     if mesh is not None and mesh.size <= 1:
         mesh = None
+    panels.check_compute(compute, mesh)
     if mesh is not None:
         batch = shd.pad_batch(batch, mesh)
         if split is None:
             split = place_pair(target, draft, mesh)
     graphdef, state = split if split is not None else split_pair(target, draft)
     if mesh is None:
-        return batch, graphdef, panels.decode_state(Pair(target, draft), state), jnp.asarray, lambda c: c, None
+        state = panels.decode_state(Pair(target, draft), state, compute=compute, rows=rows or batch)
+        return batch, graphdef, state, jnp.asarray, lambda c: c, None
 
     def put(x):
         x = np.asarray(x)

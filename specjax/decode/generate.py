@@ -319,8 +319,13 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
                  sampling: SamplingParams = GREEDY, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
                  pad_id: int | None = None, context_length: int | None = None,
                  prompt_bucket: int = 32, mesh=None, packed_len: int | str | None = "auto",
-                 prefill_chunk: int | None = None, split=None, limit: int | None = None) -> GenerationResult:
+                 prefill_chunk: int | None = None, split=None, limit: int | None = None,
+                 compute: str = "float32") -> GenerationResult:
     """Generate continuations of token-id prompts (a batch, ragged lengths allowed).
+
+    ``compute``: ``"float32"`` (the params' arithmetic) or ``"bfloat16"``: on one CPU device with
+    the kernels, every matmul in bf16 with float32 sums (:func:`specjax.models.panels.decode_state`:
+    half the weight bytes a step streams, AMX tiles where the CPU has them); refused sharded.
 
     Each sequence stops at the first token in ``eos_token_ids`` (default: the config's; ``[]``
     disables EOS) or after ``max_new_tokens``, or when it reaches ``context_length`` (default
@@ -356,6 +361,7 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
     if mesh is not None and mesh.size > 1 and placed != mesh:  # place a copy by the target rules
         params = jax.device_put(params, named_shardings(params, TARGET_RULES, mesh))
     mesh = placed if mesh is None else mesh
+    panels.check_compute(compute, mesh)
     if mesh is not None and mesh.size > 1:
         toks, num, eos_hit = _generate_sharded(mesh, graphdef, params, b, seed=seed, max_new_tokens=max_new_tokens,
                                                max_len=max_len, sampling=sampling, cache_dtype=cache_dtype_of(model))
@@ -363,7 +369,7 @@ def generate_ids(model: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_t
                                 stop_reasons=["eos" if e else "length" for e in eos_hit],
                                 prompt_lengths=b.lens.tolist())
     packed_len = resolve_packed_len(packed_len, b)
-    params = panels.decode_state(model, params)
+    params = panels.decode_state(model, params, compute=compute, rows=len(prompts))
     toks, num, eos_hit = _generate_jit(graphdef, params, jnp.asarray(b.ids), jnp.asarray(b.lens),
                                        jnp.asarray(b.limits), jax.random.key(seed), jnp.asarray(b.eos, jnp.int32),
                                        max_new_tokens=int(max_new_tokens), max_len=int(max_len), sampling=sampling,
@@ -404,7 +410,7 @@ def get_target(target, dtype, cache_dir, mesh=None):
 
 def generate(prompts, *, target=None, chat: bool = False, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, dtype=None, eos_token_ids: Sequence[int] | None = None,
-             cache_dir=None, mesh=None) -> list[Completion]:
+             cache_dir=None, mesh=None, compute: str = "float32") -> list[Completion]:
     """Target-only generation.
 
     prompts: a string, a list of strings, or a list of token-id lists. target: None/"default"
@@ -414,6 +420,7 @@ def generate(prompts, *, target=None, chat: bool = False, max_new_tokens: int = 
     :class:`Completion` per prompt. Loaded targets are memoised per (target, dtype, mesh).
     ``mesh`` (a ``jax.sharding.Mesh`` from ``specjax.sharding.make_mesh``): load a target given by
     path sharded on it; a target already sharded runs sharded whatever ``mesh`` says.
+    ``compute``: the matmuls' arithmetic on one CPU device (:func:`generate_ids`).
     """
     lt = get_target(target, dtype, cache_dir, mesh)
     tok = lt.tokenizer
@@ -422,7 +429,7 @@ def generate(prompts, *, target=None, chat: bool = False, max_new_tokens: int = 
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
     res = generate_ids(lt.model, ids, max_new_tokens=max_new_tokens,
                        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
-                       eos_token_ids=eos, pad_id=pad)
+                       eos_token_ids=eos, pad_id=pad, compute=compute)
     return completions(lt, ids, res)
 
 

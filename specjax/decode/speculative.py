@@ -308,7 +308,8 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
                              draft_sampling: str = "greedy", verifier_accept_k: int | None = None,
                              accept_tolerance: float | None = None, lossless: bool = False, trace: bool = False,
                              split=None, mesh=None, packed_len: int | str | None = "auto",
-                             prefill_chunk: int | None = None, limit: int | None = None) -> SpecResult:
+                             prefill_chunk: int | None = None, limit: int | None = None,
+                             compute: str = "float32") -> SpecResult:
     """Speculative generation over token-id prompts (ragged batch), same stopping rules and
     output format as :func:`specjax.decode.generate.generate_ids` plus acceptance statistics.
 
@@ -329,6 +330,8 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
     Multi-process: every process calls this with the same prompts and gets the same result.
     ``packed_len`` / ``prefill_chunk``: the target's prompt prefill layout, as in ``generate_ids``.
     ``limit``: a runtime cap below ``max_new_tokens`` (no recompile), as in ``generate_ids``.
+    ``compute``: the matmuls' arithmetic on one CPU device, target and draft alike, as in
+    ``generate_ids`` (``"bfloat16"``: compare with ``generate_ids(..., compute="bfloat16")``).
     """
     sd = as_spec_draft(draft)
     kk = resolve_k(sd, k)
@@ -345,13 +348,14 @@ def speculative_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence
     graphdef, state = split if split is not None else split_pair(target, sd.module)
     ddtype = draft_dtype_of(sd.module)
     mesh = loop_mesh(state, mesh)
+    panels.check_compute(compute, mesh)
     if mesh is not None:
         graphdef, state = place_pair(target, sd.module, mesh, split=(graphdef, state))
         out = _spec_sharded(mesh, graphdef, state, b, vak=vak, tol=tol, seed=seed, params=params,
                             max_new_tokens=int(max_new_tokens), max_len=int(max_len), draft_len=int(draft_len),
                             cache_dtype=cache_dtype_of(target), draft_dtype=ddtype, trace=bool(trace))
         return _result(out, b, len(prompts), kk, vak, tol, trace)
-    state = panels.decode_state(Pair(target, sd.module), state)
+    state = panels.decode_state(Pair(target, sd.module), state, compute=compute, rows=len(b.ids) * (kk + 1))
     out = _spec_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
                     jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), jnp.asarray([vak, tol], jnp.float32),
                     params=params,
@@ -398,12 +402,13 @@ def speculative_generate(prompts, *, target=None, draft="self", chat: bool = Fal
                          k: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                          seed: int = 0, dtype=None, eos_token_ids: Sequence[int] | None = None, cache_dir=None,
                          draft_sampling: str = "greedy", lossless: bool = False,
-                         mesh=None) -> tuple[list[Completion], SpecStats]:
+                         mesh=None, compute: str = "float32") -> tuple[list[Completion], SpecStats]:
     """Speculative counterpart of :func:`specjax.decode.generate.generate`: the same prompts/target
     arguments, plus ``draft`` (a speculators checkpoint directory, ``"self"`` / ``"self:M"``, a
     module or a :class:`SpecDraft`) and ``k``. Returns the completions and the acceptance stats.
     ``mesh`` (a ``jax.sharding.Mesh``, ``specjax.sharding.make_mesh``): a target or draft given by
-    path loads sharded on it and the loop runs sharded (see :func:`speculative_generate_ids`)."""
+    path loads sharded on it and the loop runs sharded (see :func:`speculative_generate_ids`).
+    ``compute``: the matmuls' arithmetic on one CPU device (:func:`speculative_generate_ids`)."""
     lt = get_target(target, dtype, cache_dir, mesh)
     sd = load_spec_draft(draft, lt, dtype=dtype, mesh=mesh)
     ids = encode_prompts(lt, prompts, chat=chat)
@@ -413,5 +418,5 @@ def speculative_generate(prompts, *, target=None, draft="self", chat: bool = Fal
     res = speculative_generate_ids(lt.model, sd, ids, k=k, max_new_tokens=max_new_tokens,
                                    sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
                                    seed=seed, eos_token_ids=eos, pad_id=pad, draft_sampling=draft_sampling,
-                                   lossless=lossless, mesh=mesh)
+                                   lossless=lossless, mesh=mesh, compute=compute)
     return completions(lt, ids, res), res.stats

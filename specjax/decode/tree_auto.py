@@ -121,19 +121,21 @@ class TreeCost:
 
 
 def measure_tree_costs(target, draft, trees: Sequence, *, batch: int, prompt_len: int, max_new_tokens: int,
-                       iters: int = 5, split=None, mesh=None) -> tuple[float, list[TreeCost]]:
+                       iters: int = 5, split=None, mesh=None, compute: str = "float32") -> tuple[float, list[TreeCost]]:
     """One target decode step (ms) and, per tree (:class:`TokenTree` or :class:`DynamicTreeSpec`),
     the verify and draft costs of one round, at the tree loop's shapes (caches half full), timed as
     :func:`specjax.decode.costs.measure_costs` times the chain: ``R`` and ``2R`` rounds in one call,
     the difference per ``R``, best of ``iters`` interleaved. A dynamic tree's verify is timed with
     a chain mask of its size (same rows, same cost). ``mesh``: placed as the sharded tree loop
     places them (batch padded to a multiple of data x fsdp and split, heads over tensor; params as
-    in ``split``, default :func:`specjax.decode.speculative.place_pair`)."""
-    batch, graphdef, state, put, put_cache, mesh = probe_setup(target, draft, batch=batch, mesh=mesh, split=split)
+    in ``split``, default :func:`specjax.decode.speculative.place_pair`). ``compute``: the loops'
+    matmul arithmetic (:func:`specjax.decode.generate.generate_ids`)."""
+    maxn = max(t.num_nodes for t in trees)
+    batch, graphdef, state, put, put_cache, mesh = probe_setup(target, draft, batch=batch, mesh=mesh, split=split,
+                                                               compute=compute, rows=batch * (maxn + 1))
     cfg = target.config
     dtype = target.model.embed_tokens.embedding[...].dtype
     fill_host = np.full((batch,), prompt_len + max_new_tokens // 2, np.int32)
-    maxn = max(t.num_nodes for t in trees)
     S = prompt_len + max_new_tokens + maxn + 1
     tgraph, tstate = target_split(graphdef, state)
     taps = tuple(draft.tap_ids(cfg.num_hidden_layers))

@@ -191,7 +191,7 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
                       pad_id: int | None = None, context_length: int | None = None,
                       prompt_bucket: int = 32, draft_sampling: str = "greedy", trace: bool = False, split=None,
                       packed_len: int | str | None = "auto", prefill_chunk: int | None = None,
-                      limit: int | None = None, mesh=None) -> SpecResult:
+                      limit: int | None = None, mesh=None, compute: str = "float32") -> SpecResult:
     """Tree speculative generation over token-id prompts; output as
     :func:`specjax.decode.speculative.speculative_generate_ids` (``stats`` per tree depth: the
     histogram of accepted drafted nodes per round). ``tree``: a :class:`TokenTree` or vLLM's
@@ -205,7 +205,8 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
     node of each round's own tree). ``split``, ``packed_len``, ``prefill_chunk``, ``limit``: as in
     :func:`specjax.decode.speculative.speculative_generate_ids`. ``mesh`` (more than one device),
     or params already on one: the loop runs sharded (:func:`sharded_tree_fn`; the batch padded to a
-    multiple of data x fsdp, only the real rows come back)."""
+    multiple of data x fsdp, only the real rows come back). ``compute``: the matmuls' arithmetic on
+    one CPU device, as in :func:`specjax.decode.generate.generate_ids`."""
     tree = as_tree(tree)
     if proposal_sampling(sampling, draft_sampling) is not None and isinstance(tree, DynamicTreeSpec):
         raise ValueError("a dynamic tree takes the draft's top-k children (draft_sampling='greedy'), not samples")
@@ -221,13 +222,14 @@ def tree_generate_ids(target: CausalLM, draft, prompts: Sequence[Sequence[int]],
                   draft_len=int(draft_len), pad_id=b.pad, cache_dtype=cache_dtype_of(target),
                   draft_dtype=draft_dtype_of(sd.module), draft_sampling=draft_sampling, trace=bool(trace))
     mesh = loop_mesh(state, mesh)
+    panels.check_compute(compute, mesh)
     if mesh is not None:
         graphdef, state = place_pair(target, sd.module, mesh, split=(graphdef, state))
         out = sharded_tree_fn(mesh, state)(state, *padded_mesh_inputs(b, mesh, seed), graphdef,
                                            *(static[k] for k in _STATIC[1:]))
         out = jax.tree.map(shd.to_host, out)  # every process reads the replicated outputs
     else:
-        state = panels.decode_state(Pair(target, sd.module), state)
+        state = panels.decode_state(Pair(target, sd.module), state, compute=compute, rows=len(b.ids) * (N + 1))
         out = _tree_jit(graphdef, state, jnp.asarray(b.ids), jnp.asarray(b.lens), jnp.asarray(b.limits),
                         jax.random.key(seed), jnp.asarray(b.eos, jnp.int32), **static,
                         platform=placement.platform_of(state), packed_len=resolve_packed_len(packed_len, b),
@@ -264,10 +266,10 @@ def tree_option(tree: str | None = None, *, topk: int | None = None, depth: int 
 def tree_generate(prompts, *, tree, target=None, draft="self", chat: bool = False, max_new_tokens: int = 64,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, dtype=None,
                   eos_token_ids: Sequence[int] | None = None, cache_dir=None, draft_sampling: str = "greedy",
-                  mesh=None):
+                  mesh=None, compute: str = "float32"):
     """Tree counterpart of :func:`specjax.decode.speculative.speculative_generate` (text prompts,
-    a target / draft by path or object; ``mesh``: loaded sharded on it and the loop runs sharded).
-    Returns (completions, SpecStats)."""
+    a target / draft by path or object; ``mesh``: loaded sharded on it and the loop runs sharded;
+    ``compute``: the matmuls' arithmetic on one CPU device). Returns (completions, SpecStats)."""
     if mesh is not None and mesh.size <= 1:
         mesh = None
     lt = get_target(target, dtype, cache_dir, mesh)
@@ -278,5 +280,6 @@ def tree_generate(prompts, *, tree, target=None, draft="self", chat: bool = Fals
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else None
     res = tree_generate_ids(lt.model, sd, ids, tree=tree, max_new_tokens=max_new_tokens,
                             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
-                            eos_token_ids=eos, pad_id=pad, draft_sampling=draft_sampling, mesh=mesh)
+                            eos_token_ids=eos, pad_id=pad, draft_sampling=draft_sampling, mesh=mesh,
+                            compute=compute)
     return completions(lt, ids, res), res.stats

@@ -24,14 +24,16 @@ kernel streams half the bytes and widens each weight back to the same float32 ex
 products, the sums and the outputs are those of the float32 panels. ``SPECJAX_PANEL_BF16=0``
 keeps float32 panels for every param (for side-by-side timing).
 
-A bf16-compute state (``decode_state(compute="bfloat16")``, regenerating training data) takes one
-of two layouts (:func:`bf16_layout`): k-pair panels for the ``vdpbf16ps`` kernel, or, on a CPU
-with AMX tiles (``amx_bf16``) and decode steps of more than :data:`BF16_KERNEL_ROWS_AMX` rows,
-the weight itself in bfloat16 for XLA's bf16 dot, which runs on the tiles. ``benchmarks/cpu_kernels.py``
-(2 cores with AMX, 2026-12-06): SmolLM2's 210 linear layers chained take 30.4 ms at 32 rows on
-XLA's dot against 49.0 ms on the kernel, 37.1 against 87.0 at 64, but 23.8 against 21.1 at 8 and
-22.8 against 15.9 at 4; a whole decode step of the model 74.7 against 105.5 ms at batch 32, 113
-against 185 at 64.
+A bf16-compute state (``decode_state(compute="bfloat16")``: regenerating training data, or
+``--compute bfloat16`` decoding) takes one of two layouts (:func:`bf16_layout`): k-pair panels for
+the bf16 kernel -- ``vdpbf16ps``, or on a CPU with AMX tiles (``amx_bf16``) ``TDPBF16PS`` on the
+same panels, which then takes every input -- or the weight itself in bfloat16 for XLA's bf16 dot
+(a CPU with AMX whose kernel was built without the tiles, past :data:`BF16_KERNEL_ROWS_AMX` rows).
+``benchmarks/cpu_kernels.py`` (2 cores with AMX, 2026-12-07): SmolLM2's 210 linear layers chained
+take 8.6 / 9.4 / 9.5 / 11.9 / 17.4 / 23.6 ms at 1 / 4 / 8 / 16 / 32 / 64 rows on the tiles against
+30.2 / 25.9 / 27.1 / 28.9 / 33.5 / 41.4 on XLA's bf16 dot (the ``vdpbf16ps`` kernel, 2026-12-06:
+15.9 at 4 rows, 21.1 at 8, 49.0 at 32, 87.0 at 64); a whole decode step of the model at batch 64
+93.4 against 113.9 ms (most of the rest is the float32 KV cache's attention).
 """
 
 from __future__ import annotations
@@ -92,23 +94,22 @@ def kernel_has_amx() -> bool:
 def bf16_layout(rows: int | None) -> str:
     """The layout of a bf16-compute state's weights for decode steps of ``rows`` rows (None: no
     decode steps, a prefill's many rows): ``"pairs"`` (k-pair panels, the bf16 kernel up to
-    :data:`MAX_ROWS_BF16` rows) or ``"dot"`` (the weight in bfloat16, XLA's bf16 dot for every
-    input). On a host with AMX (:func:`host_has_amx`): ``"dot"`` with no decode steps or more rows
-    than the kernel takes; where the kernel itself runs on the tiles (:func:`kernel_has_amx`) it
-    takes every decode step up to :data:`MAX_ROWS_BF16` rows, streaming each weight once (at 64
-    rows XLA's dot reads a weight at a fraction of the memory's speed), else ``"dot"`` past
-    :data:`BF16_KERNEL_ROWS_AMX` rows. Without AMX: ``"pairs"``. ``SPECJAX_BF16_DOT`` = ``xla`` /
-    ``kernel`` forces one."""
+    :func:`bf16_row_limit` rows) or ``"dot"`` (the weight in bfloat16, XLA's bf16 dot for every
+    input). Where the kernel runs on AMX tiles (:func:`kernel_has_amx`): ``"pairs"`` for every
+    input, decode steps and prefills alike (it streams each weight once at a few rows, where XLA's
+    dot reads a weight at a fraction of the memory's speed, and beats it on a prefill; and a row's
+    products and sums are the same whatever the other rows, so a prefill, a decode step and a
+    verify multiply alike, bit for bit, where XLA's dot sums in an order of its choosing). On a host with AMX whose kernel lacks the tiles: ``"dot"`` with no
+    decode steps or more than :data:`BF16_KERNEL_ROWS_AMX` rows. Without AMX: ``"pairs"``.
+    ``SPECJAX_BF16_DOT`` = ``xla`` / ``kernel`` forces one."""
     force = os.environ.get("SPECJAX_BF16_DOT", "auto").strip().lower()
     if force not in ("auto", "xla", "kernel"):
         raise ValueError(f"SPECJAX_BF16_DOT must be auto, xla or kernel, got {force!r}")
     if force != "auto":
         return "dot" if force == "xla" else "pairs"
-    if not host_has_amx():
+    if not host_has_amx() or kernel_has_amx():
         return "pairs"
-    if rows is None:
-        return "dot"
-    return "dot" if rows > (MAX_ROWS_BF16 if kernel_has_amx() else BF16_KERNEL_ROWS_AMX) else "pairs"
+    return "dot" if rows is None or rows > BF16_KERNEL_ROWS_AMX else "pairs"
 
 
 def panel_width(n: int) -> int | None:
@@ -188,17 +189,24 @@ def _fits(dtype, rows: int, limit: int | None = None) -> bool:
 
 def row_limit(value) -> int:
     """How many rows (batch x tokens) a decode-time weight's matmul takes in its packed layout:
-    :data:`MAX_ROWS_BF16` for bf16-compute k-pair panels, any number for the bf16 ``"dot"`` layout
+    :func:`bf16_row_limit` for bf16-compute k-pair panels, any number for the bf16 ``"dot"`` layout
     (XLA's dot), else :data:`MAX_ROWS`."""
     if isinstance(value, Paneled) and _dot_layout(value.packed):
         return 1 << 62
     return attention_row_limit(value)
 
 
+def bf16_row_limit() -> int:
+    """How many rows a bf16-compute state's k-pair kernel and cached attention take: any number
+    where the kernel runs on AMX tiles (:func:`kernel_has_amx`: a prefill too), else
+    :data:`MAX_ROWS_BF16` (the vector kernel pays an instruction per row)."""
+    return 1 << 62 if kernel_has_amx() else MAX_ROWS_BF16
+
+
 def attention_row_limit(value) -> int:
     """How many query rows the cached attention of a layer whose projection holds ``value`` runs
-    on the decode-attention kernel: :data:`MAX_ROWS_BF16` in a bf16-compute state, else :data:`MAX_ROWS`."""
-    return MAX_ROWS_BF16 if _bf16_state(value) else MAX_ROWS
+    on the decode-attention kernel: :func:`bf16_row_limit` in a bf16-compute state, else :data:`MAX_ROWS`."""
+    return bf16_row_limit() if _bf16_state(value) else MAX_ROWS
 
 
 def fits(x, limit: int | None = None) -> bool:
@@ -509,6 +517,18 @@ def decode_state(root, state, *, compute: str = "float32", rows: int | None = No
         return Paneled(x, CACHE.get(x, kind if compute == "float32" else f"{kind}-{suffix}"))
 
     return jax.tree_util.tree_map_with_path(swap, state)
+
+
+def check_compute(compute: str, mesh=None) -> str:
+    """``compute`` for a decode loop: one of :data:`COMPUTE_DTYPES`; ``"bfloat16"`` is the
+    single-device CPU kernels' arithmetic, refused for a loop sharded over ``mesh`` (more than one
+    device: there the params' own dtype decides, ``--dtype bfloat16``)."""
+    if compute not in COMPUTE_DTYPES:
+        raise ValueError(f"decode compute dtype must be one of {COMPUTE_DTYPES}, got {compute!r}")
+    if compute != "float32" and mesh is not None and mesh.size > 1:
+        raise ValueError(f"compute={compute!r} is the single-device CPU kernels' arithmetic; a loop sharded over "
+                         f"{mesh.size} devices computes in its params' dtype (load them as bfloat16 instead)")
+    return compute
 
 
 def panel_dtypes(state) -> dict[str, list[str]]:

@@ -20,9 +20,10 @@ On a single-device CPU the forwards run in the panel view of the params
 (:func:`specjax.models.panels.decode_state`: the native matmul and decode-attention kernels, as
 the generate loop does); at most ``panels.MAX_ROWS`` rows a step take that path
 (``panels.MAX_ROWS_BF16`` with ``compute="bfloat16"``), so a batch of 16 (32 in bf16) streams the
-weights once per step where XLA's dot would re-read them at a stride. On a CPU with AMX tiles a
-bf16-compute batch of more than ``panels.BF16_KERNEL_ROWS_AMX`` (8) rows multiplies on XLA's bf16 dot instead, which runs on the
-tiles (:func:`specjax.models.panels.bf16_layout`; attention stays on the kernel).
+weights once per step where XLA's dot would re-read them at a stride. On a CPU with AMX tiles the
+bf16 kernel runs on them and takes any number of rows, the prefill's too (where the kernel was built
+without them, more than ``panels.BF16_KERNEL_ROWS_AMX`` (8) rows multiply on XLA's bf16 dot, which
+does: :func:`specjax.models.panels.bf16_layout`).
 """
 
 from __future__ import annotations

@@ -140,3 +140,31 @@ def test_bench_several_prompt_sets_in_one_process(ckpts, tmp_path):
     assert code == 2 and "--out" in out and "'{name}'" in out and "prompts, other" in out
     code, out = _run(base + ["--prompts", str(other), "--prompts", str(other), "--plot", str(tmp_path / "{name}.png")])
     assert code == 2 and "share the name 'other'" in out
+
+
+def test_bf16_compute_in_bench_and_generate(ckpts):
+    """``--compute bfloat16``: every side of the bench (target-only, chain, tree) multiplies in bf16
+    with float32 sums on the CPU kernels (the panels of both models are bf16), and speculative
+    greedy output equals the bf16 target's own; ``generate`` takes the same option; anything else
+    is refused by name before a model loads."""
+    code, out = _run(["bench", "-t", str(ckpts["target"]), "-d", str(ckpts["draft"]), "--prompts",
+                      str(ckpts["prompts"]), "--k", "2", "-n", "6", "-b", "1", "--no-chat", "--json", "--no-progress",
+                      "--compute", "bfloat16", "--tree", "[(0,), (1,), (0, 0)]"])
+    assert code == 0, out
+    d = json.loads(out.strip().splitlines()[-1])
+    assert d["compute"] == "bfloat16" and d["identical_greedy_outputs"] == "3/3"
+    assert d["tree"]["identical_greedy_outputs"] == "3/3" and d["tree"]["nodes"] == 3
+    if d["cpu_kernels"]:  # float32 weights rounded into k-pair panels
+        assert d["panel_dtypes"] == {"target": ["bfloat16"], "draft": ["bfloat16"]}
+    base = ["generate", "-t", str(ckpts["target"]), "-p", "w5 w6 w7 w8", "-p", "w10 w11 w12", "-n", "6", "--json",
+            "--compute", "bfloat16"]
+    outs = []
+    for extra in ([], ["--draft", str(ckpts["draft"]), "--k", "2"], ["--draft", str(ckpts["draft"]), "--tree",
+                                                                     "[(0,), (1,)]"]):
+        code, out = _run(base + extra)
+        assert code == 0, out
+        outs.append([c["token_ids"] for c in json.loads(out)["completions"]])
+    assert outs[0] == outs[1] == outs[2]
+    for cmd in (["bench", "-d", str(ckpts["draft"]), "--prompts", str(ckpts["prompts"])], ["generate", "-p", "w5"]):
+        code, out = _run([*cmd, "-t", str(ckpts["target"]), "--compute", "float16"])
+        assert code == 2 and "float32" in out and "bfloat16" in out and "'float16'" in out, out

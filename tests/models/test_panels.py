@@ -426,12 +426,15 @@ def test_bf16_compute_decode_state(tied, monkeypatch):
 
 
 @needs_kernels
-def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied, monkeypatch):
+@pytest.mark.parametrize("tiles", [False, True])
+def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied, monkeypatch, tiles):
     """A bf16-compute state runs matmuls and the cached attention on the native kernels up to
-    MAX_ROWS_BF16 rows (a regeneration batch of 32 or 64 sequences), beyond MAX_ROWS; the float32
-    panel view keeps MAX_ROWS; past the limit both take XLA's ops. Outputs on the kernels equal
-    XLA's bf16 dot's within float32 rounding."""
+    MAX_ROWS_BF16 rows (a regeneration batch of 32 or 64 sequences), beyond MAX_ROWS, and for any
+    number of rows where the kernel runs on AMX tiles (``tiles``: a prefill too); the float32 panel
+    view keeps MAX_ROWS; past the limits they take XLA's ops. Outputs on the kernels equal XLA's
+    bf16 dot's within float32 rounding."""
     monkeypatch.setenv("SPECJAX_BF16_DOT", "kernel")
+    monkeypatch.setattr(panels, "kernel_has_amx", lambda: tiles)
     graphdef, state = nnx.split(tied)
     view = panels.decode_state(tied, state, compute="bfloat16")
     f32_view = panels.decode_state(tied, state)
@@ -450,11 +453,16 @@ def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied, monkeypatc
     on = calls(view, 24)  # 48 rows
     assert on["specjax_panel_dot_bf16"] > 0 and on["specjax_decode_attention"] > 0, on
     assert not any(calls(f32_view, 24).values())  # 48 rows are past the float32 panels' limit
-    assert not any(calls(view, 40).values())  # 80 rows: XLA's bf16 dot and masked attention
+    far = calls(view, 40)  # 80 rows: on the tiles, else XLA's bf16 dot and masked attention
+    if tiles:
+        assert far["specjax_panel_dot_bf16"] > 0 and far["specjax_decode_attention"] > 0, far
+    else:
+        assert not any(far.values()), far
     rng = np.random.default_rng(5)
     ids = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 24)), jnp.int32)
     a = np.asarray(jax.jit(fwd)(view, ids, KVCache.init(cfg, 2, 48))[0])
     limits = panels.MAX_ROWS, panels.MAX_ROWS_BF16
+    monkeypatch.setattr(panels, "kernel_has_amx", lambda: False)
     try:
         panels.MAX_ROWS = panels.MAX_ROWS_BF16 = 0
         b = np.asarray(jax.jit(fwd)(view, ids, KVCache.init(cfg, 2, 48))[0])
@@ -464,8 +472,8 @@ def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied, monkeypatc
 
 
 def test_bf16_layout_follows_the_cpu_and_the_rows(monkeypatch):
-    """A bf16-compute state multiplies on the k-pair kernel for decode steps up to MAX_ROWS_BF16
-    rows where the kernel runs on AMX tiles; on a CPU with AMX whose kernel lacks them, on XLA's
+    """A bf16-compute state multiplies on the k-pair kernel for every input where the kernel runs
+    on AMX tiles (prefills too); on a CPU with AMX whose kernel lacks them, on XLA's
     bf16 dot ("dot") past BF16_KERNEL_ROWS_AMX rows; with AMX and no decode steps (a prefill's
     rows) on XLA's dot; without AMX on the kernel. SPECJAX_BF16_DOT forces either and refuses
     anything else."""
@@ -473,9 +481,11 @@ def test_bf16_layout_follows_the_cpu_and_the_rows(monkeypatch):
     n, top = panels.BF16_KERNEL_ROWS_AMX, panels.MAX_ROWS_BF16
     monkeypatch.setattr(panels, "host_has_amx", lambda: True)
     monkeypatch.setattr(panels, "kernel_has_amx", lambda: True)
-    assert [panels.bf16_layout(r) for r in (1, n + 1, top, top + 1, None)] == ["pairs", "pairs", "pairs", "dot", "dot"]
+    assert {panels.bf16_layout(r) for r in (1, n + 1, top, top + 1, None)} == {"pairs"}
+    assert panels.bf16_row_limit() > 10**9
     monkeypatch.setattr(panels, "kernel_has_amx", lambda: False)
     assert [panels.bf16_layout(r) for r in (1, n, n + 1, 64, None)] == ["pairs", "pairs", "dot", "dot", "dot"]
+    assert panels.bf16_row_limit() == top
     monkeypatch.setattr(panels, "host_has_amx", lambda: False)
     assert {panels.bf16_layout(r) for r in (1, n + 1, 64, None)} == {"pairs"}
     monkeypatch.setenv("SPECJAX_BF16_DOT", "xla")
@@ -492,12 +502,12 @@ def test_bf16_layout_follows_the_cpu_and_the_rows(monkeypatch):
 @pytest.mark.skipif(not panels.host_has_amx(), reason="the CPU has no AMX tiles")
 def test_the_bf16_kernel_takes_the_tiles_on_a_cpu_with_amx():
     """Built for this CPU (the default ``-march=native``), the k-pair kernel multiplies on the AMX
-    tiles the CPU has, and a bf16-compute state keeps it for decode steps up to MAX_ROWS_BF16 rows
-    (the tiles stream each weight once, where XLA's dot did not)."""
+    tiles the CPU has, and a bf16-compute state keeps it for every decode step
+    and for prefills (the tiles stream each weight once, where XLA's dot did not)."""
     from specjax import kernels
 
     assert kernels.amx_tiles()
-    assert panels.kernel_has_amx() and panels.bf16_layout(panels.MAX_ROWS_BF16) == "pairs"
+    assert panels.kernel_has_amx() and panels.bf16_layout(None) == "pairs" and panels.bf16_row_limit() > 10**9
 
 
 @needs_kernels
