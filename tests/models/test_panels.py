@@ -499,6 +499,21 @@ def test_bf16_layout_follows_the_cpu_and_the_rows(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("K,N", [(576, 192), (100, 96), (1536, 576)])
+def test_bf16_kernel_rows_do_not_depend_on_the_other_rows(K, N):
+    """A row's bf16 products and float32 sums come out bit for bit the same whatever rows share the
+    call (1 to 70 rows: one, several 16-row tile groups, a short last group; K a multiple of 32 or
+    not): so a prefill, a decode step and a verify of the same token multiply alike."""
+    rng = np.random.default_rng(K + N)
+    x = jnp.asarray(rng.standard_normal((70, K)), jnp.float32)
+    wp = panels.pack_pairs(jnp.asarray(rng.standard_normal((K, N)), jnp.float32))
+    mm = jax.jit(panels.matmul)
+    full = np.asarray(mm(x, wp))
+    for lo, hi in ((0, 1), (3, 4), (0, 5), (20, 37), (33, 70), (69, 70)):
+        np.testing.assert_array_equal(np.asarray(mm(x[lo:hi], wp)), full[lo:hi])
+
+
+@needs_kernels
 @pytest.mark.skipif(not panels.host_has_amx(), reason="the CPU has no AMX tiles")
 def test_the_bf16_kernel_takes_the_tiles_on_a_cpu_with_amx():
     """Built for this CPU (the default ``-march=native``), the k-pair kernel multiplies on the AMX
