@@ -13,12 +13,13 @@
 // it (inputs and outputs denormal-flushed). Without AVX512-BF16 (or AVX-512) the same two
 // float32 FMAs per pair run on 16-float vectors, identical but for denormals.
 //
-// On a CPU with AMX tiles (amx_bf16, built with -march=native there) every call takes the tiles
-// instead (AMX_MIN_ROWS rows or more, K a multiple of 32): one TDPBF16PS multiplies 16 rows by a 32 x 16 block of the panel (the k-pair
-// layout is the tile's B layout as it stands, 16 columns of pairs per 64-byte row, at a stride of
-// the panel's width), so a verify of 16-64 rows costs about what streaming the panel costs, where
-// vdpbf16ps pays a broadcast and an instruction per row. Same products (exact) and float32 sums,
-// in the tile's order: outputs agree with the vector path to float32 rounding, not bit for bit.
+// On a CPU with AMX tiles (amx_bf16, built with -march=native there) a call takes the tiles instead
+// (AMX_MIN_ROWS rows or more, K a multiple of 32): one TDPBF16PS multiplies 16 rows by a 32 x 16
+// block of the panel (the k-pair layout is the tile's B layout as it stands, 16 columns of pairs
+// per 64-byte row, at a stride of the panel's width), so a verify of 16-64 rows costs about what
+// streaming the panel costs, where vdpbf16ps pays a broadcast and an instruction per row. Same
+// products (exact) and float32 sums, in the tile's order: outputs agree with the vector path to
+// float32 rounding, not bit for bit; a row's sums do not depend on the other rows of the call.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
