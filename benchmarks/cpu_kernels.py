@@ -8,9 +8,9 @@ side in one run, on the embedded SmolLM2-135M-Instruct (float32):
 * ``step``: one decode step of the real model (cache of 320 slots, 250 filled) at batch 1, 4,
   16, 32 and 64, the plain params against their panel view (``panels.decode_state``), and the greedy token of each.
 * ``bf16dot``, beside both: the bf16-compute kernel (``decode_state(compute="bfloat16")``: bf16
-  products over k-pair panels, ``vdpbf16ps``, or the AMX tiles where the CPU has them), what ``data prepare --compute-dtype bfloat16``
-  regenerates with; its tokens are compared with the float32 panels' (bf16 products may break a
-  near tie differently).
+  products over k-pair panels, ``vdpbf16ps``, or the AMX tiles where the CPU has them), what
+  ``data prepare --compute-dtype bfloat16`` regenerates with; its tokens are compared with the
+  float32 panels' (bf16 products may break a near tie differently).
 * ``bf16xla``: the same bf16 arithmetic on XLA's bf16 dot over the weights in bfloat16 (the
   ``"dot"`` layout, ``panels.bf16_layout``), which a CPU with AMX tiles also runs on them (taken
   only where the kernel was built without them). Rows up to 64 (a regeneration batch).

@@ -14,7 +14,7 @@
 // float32 FMAs per pair run on 16-float vectors, identical but for denormals.
 //
 // On a CPU with AMX tiles (amx_bf16, built with -march=native there) a call takes the tiles instead
-// (AMX_MIN_ROWS rows or more, K a multiple of 32): one TDPBF16PS multiplies 16 rows by a 32 x 16
+// (any number of rows, K a multiple of 32): one TDPBF16PS multiplies 16 rows by a 32 x 16
 // block of the panel (the k-pair layout is the tile's B layout as it stands, 16 columns of pairs
 // per 64-byte row, at a stride of the panel's width), so a verify of 16-64 rows costs about what
 // streaming the panel costs, where vdpbf16ps pays a broadcast and an instruction per row. Same
@@ -40,10 +40,6 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-
-#ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 1
-#endif
 
 using specjax::load16;
 using specjax::store16;
@@ -199,6 +195,16 @@ void panel_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float
 #undef SPECJAX_BLOCK
 #endif
 
+// One panel on the tiles (``tiles``: a build with them, K a multiple of 32) or the vector path.
+template <int V>
+void panel_any(bool tiles, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N) {
+#if SPECJAX_AMX
+  if (tiles) return panel_amx<V>(x, M, K, w, y, N);
+#endif
+  (void)tiles;
+  panel_dot<V>(x, M, K, w, y, N);
+}
+
 ffi::Error PanelDotBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
                         ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
@@ -222,26 +228,17 @@ ffi::Error PanelDotBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buf
   float* yp = y->typed_data();
   const int64_t N = P * Wd;
 #if SPECJAX_AMX
-  if (M >= AMX_MIN_ROWS && K % 32 == 0 && amx_permitted()) {
-    specjax::parallel_for(pool, P, [=](int64_t p) {
-      const uint16_t* wpp = wp + p * K * Wd;
-      float* ypp = yp + p * Wd;
-      switch (Wd) {
-        case 16: panel_amx<1>(xp, M, K, wpp, ypp, N); break;
-        case 32: panel_amx<2>(xp, M, K, wpp, ypp, N); break;
-        default: panel_amx<4>(xp, M, K, wpp, ypp, N); break;
-      }
-    });
-    return ffi::Error::Success();
-  }
+  const bool tiles = K % 32 == 0 && amx_permitted();
+#else
+  const bool tiles = false;
 #endif
   specjax::parallel_for(pool, P, [=](int64_t p) {
     const uint16_t* wpp = wp + p * K * Wd;
     float* ypp = yp + p * Wd;
     switch (Wd) {
-      case 16: panel_dot<1>(xp, M, K, wpp, ypp, N); break;
-      case 32: panel_dot<2>(xp, M, K, wpp, ypp, N); break;
-      default: panel_dot<4>(xp, M, K, wpp, ypp, N); break;
+      case 16: panel_any<1>(tiles, xp, M, K, wpp, ypp, N); break;
+      case 32: panel_any<2>(tiles, xp, M, K, wpp, ypp, N); break;
+      default: panel_any<4>(tiles, xp, M, K, wpp, ypp, N); break;
     }
   });
   return ffi::Error::Success();

@@ -99,8 +99,9 @@ def bf16_layout(rows: int | None) -> str:
     input, decode steps and prefills alike (it streams each weight once at a few rows, where XLA's
     dot reads a weight at a fraction of the memory's speed, and beats it on a prefill; and a row's
     products and sums are the same whatever the other rows, so a prefill, a decode step and a
-    verify multiply alike, bit for bit, where XLA's dot sums in an order of its choosing). On a host with AMX whose kernel lacks the tiles: ``"dot"`` with no
-    decode steps or more than :data:`BF16_KERNEL_ROWS_AMX` rows. Without AMX: ``"pairs"``.
+    verify multiply alike, bit for bit, where XLA's dot sums in an order of its choosing). On a
+    host with AMX whose kernel lacks the tiles: ``"dot"`` with no decode steps or more than
+    :data:`BF16_KERNEL_ROWS_AMX` rows. Without AMX: ``"pairs"``.
     ``SPECJAX_BF16_DOT`` = ``xla`` / ``kernel`` forces one."""
     force = os.environ.get("SPECJAX_BF16_DOT", "auto").strip().lower()
     if force not in ("auto", "xla", "kernel"):
@@ -495,8 +496,7 @@ def decode_state(root, state, *, compute: str = "float32", rows: int | None = No
     training data), about twice the throughput on a CPU with AVX512-BF16. ``rows``: the rows
     (batch x tokens) of the state's decode steps (None: none, prefills only), which pick the bf16
     layout (:func:`bf16_layout`)."""
-    if compute not in COMPUTE_DTYPES:
-        raise ValueError(f"decode compute dtype must be one of {COMPUTE_DTYPES}, got {compute!r}")
+    check_compute(compute)
     if not kernels.available(placement.platform_of(state)):
         return state
     leaves = jax.tree_util.tree_leaves(state)

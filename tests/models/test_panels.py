@@ -5,6 +5,7 @@ kernels on and off, and the fall-back when the kernels cannot be built."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import jax
@@ -514,13 +515,12 @@ def test_bf16_kernel_rows_do_not_depend_on_the_other_rows(K, N):
 
 
 @needs_kernels
-@pytest.mark.skipif(not panels.host_has_amx(), reason="the CPU has no AMX tiles")
+@pytest.mark.skipif(not panels.host_has_amx() or os.environ.get("SPECJAX_KERNEL_ARCH", "native") != "native",
+                    reason="the CPU has no AMX tiles, or the kernels are built for another CPU")
 def test_the_bf16_kernel_takes_the_tiles_on_a_cpu_with_amx():
     """Built for this CPU (the default ``-march=native``), the k-pair kernel multiplies on the AMX
     tiles the CPU has, and a bf16-compute state keeps it for every decode step
     and for prefills (the tiles stream each weight once, where XLA's dot did not)."""
-    from specjax import kernels
-
     assert kernels.amx_tiles()
     assert panels.kernel_has_amx() and panels.bf16_layout(None) == "pairs" and panels.bf16_row_limit() > 10**9
 
