@@ -246,6 +246,37 @@ def attention_fits(q_proj, q, k) -> bool:
             and _fits(q.dtype, q.shape[0] * q.shape[1], attention_row_limit(value)))
 
 
+def rope_fits(q_proj, q, cos) -> bool:
+    """The layer's rotary embedding runs on :func:`rope`: the forward is in the panel view
+    (``q_proj``'s kernel is :class:`Paneled`: single-device CPU with the kernels), ``q`` and ``cos``
+    are float32 and ``q`` has no more rows than the cached attention takes on its kernel
+    (:func:`attention_row_limit`): the forwards of a decode loop (steps, verifies, a bf16 state's
+    prefills) round their keys alike whatever their shapes; a float32 prefill keeps XLA's
+    arithmetic, bit for bit the plain params' own."""
+    value = q_proj.kernel.get_value()
+    return (isinstance(value, Paneled) and cos.dtype == jnp.float32
+            and _fits(q.dtype, q.shape[0] * q.shape[1], attention_row_limit(value)))
+
+
+def rope(q, k, cos, sin):
+    """The neox rotary embedding of ``q`` [B, T, Hq, D] and ``k`` [B, T, Hkv, D] by ``cos``/``sin``
+    [B, T, R] (R <= D rotary channels) on the native kernel, each product and sum rounded on its
+    own: :func:`specjax.models.rope.apply_rope`'s arithmetic as PyTorch's eager ops do it, where
+    XLA's CPU fusions contract a product into the add or not depending on the program's shapes
+    (a batch-1 decode loop's keys then differed by an ulp from a batch-2 or a verify forward's,
+    enough to change bf16 greedy tokens). All float32."""
+    B, T, Hq, D = q.shape
+    Hk, R = k.shape[2], cos.shape[-1]
+    if k.shape[:2] != (B, T) or k.shape[3] != D or cos.shape != (B, T, R) or sin.shape != cos.shape or R % 2 or R > D:
+        raise ValueError(f"rope: q {q.shape}, k {k.shape}, cos {cos.shape} and sin {sin.shape} do not fit")
+    N = B * T
+    qo, ko = jax.ffi.ffi_call("specjax_rope", (jax.ShapeDtypeStruct((N, Hq, D), jnp.float32),
+                                               jax.ShapeDtypeStruct((N, Hk, D), jnp.float32)),
+                              vmap_method="sequential")(jnp.reshape(q, (N, Hq, D)), jnp.reshape(k, (N, Hk, D)),
+                                                        jnp.reshape(cos, (N, R)), jnp.reshape(sin, (N, R)))
+    return jnp.reshape(qo, q.shape), jnp.reshape(ko, k.shape)
+
+
 def matmul(x, wp):
     """``x @ w`` on the panel kernel: ``x`` [..., K] float32 and packed ``wp`` [P, K, Wd] (float32,
     or bfloat16 widened exactly to float32 in the kernel) -> float32 [..., P Wd]. K-pair panels

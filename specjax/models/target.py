@@ -218,7 +218,10 @@ def _layer_step(layer, x, cos, sin, mode, ck, cv, l=None):
     are the whole stacked cache and come back with layer ``l`` written)."""
     attn = layer.self_attn
     q, k, v = attn.project(layer.input_layernorm(x))
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if panels.rope_fits(attn.q_proj, q, cos):  # the CPU kernel: rounded alike whatever the program's shapes
+        q, k = panels.rope(q, k, cos, sin)
+    else:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, k, v = mode.attend(attn, q, k, v, layer.sliding_window, ck, cv, layer=l)
     x = x + attn.output(o)
     return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
