@@ -25,7 +25,9 @@
 // slots by [lo, hi] alone (the committed cache, with the window's lo).
 //
 // Work units are (b, t, kv head), shared out as in panel_matmul.cc (common.h);
-// a unit loads each visible key and value row once for the kv head's G query heads.
+// a unit loads each visible key and value row once for the kv head's G query heads. A query's
+// output is the same bits whatever the other queries and whatever slots past its own are masked
+// (a tree verify, a chain verify and a decode step agree on the rows they share).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -122,17 +124,15 @@ static void att_group(const float* const* qr, int64_t G, const float* kb, const 
   float inv[8];
   for (int64_t g = 0; g < G; g++) {
     float* l = lg + g * ld_lg;
+    // the last block padded with -inf (exp 0): every slot's exp is vexp's and the sum goes block
+    // by block from lo whatever hi, so a query's output does not depend on slots it cannot see
+    // (a tree verify's rows all reach the tree's last slot; a decode step's row stops at its own)
+    for (int64_t t = hi + 1; t < hi + 16; t++) l[t] = -INFINITY;
     float sum = 0.0f;
-    int64_t s = lo;
-    for (; s + 16 <= hi + 1; s += 16) {
+    for (int64_t s = lo; s <= hi; s += 16) {
       v16 e = vexp(load16(l + s) - mx[g]);
       store16(l + s, e);
       sum += hsum(e);
-    }
-    for (; s <= hi; s++) {
-      float e = std::exp(l[s] - mx[g]);
-      l[s] = e;
-      sum += e;
     }
     inv[g] = 1.0f / sum;
   }
