@@ -122,17 +122,37 @@ static void att_group(const float* const* qr, int64_t G, const float* kb, const 
     }
   }
   float inv[8];
+  // The softmax sum goes block by block (16 slots) from lo over the slots the query sees, in slot
+  // order, every exp vexp's (the last block padded with -inf, exp 0): a query's sum does not
+  // depend on slots past its own (a tree verify's rows all reach the tree's last slot) nor, in a
+  // tree, on where its ancestors sit among the tree's slots: from the block holding the tree's
+  // first slot on, the visible slots are summed compacted, so the blocks hold what a decode step
+  // at the same position sums once the accepted path is in the cache.
+  int64_t s0 = hi + 1;  // compacted from here (a tree reaching past its first slot)
+  if (sm.row != nullptr && sm.base <= hi) s0 = lo + std::max<int64_t>(0, (sm.base - lo) / 16) * 16;
+  thread_local std::vector<float> cbuf;
+  if (s0 <= hi) cbuf.resize(hi - s0 + 17);
   for (int64_t g = 0; g < G; g++) {
     float* l = lg + g * ld_lg;
-    // the last block padded with -inf (exp 0): every slot's exp is vexp's and the sum goes block
-    // by block from lo whatever hi, so a query's output does not depend on slots it cannot see
-    // (a tree verify's rows all reach the tree's last slot; a decode step's row stops at its own)
     for (int64_t t = hi + 1; t < hi + 16; t++) l[t] = -INFINITY;
     float sum = 0.0f;
-    for (int64_t s = lo; s <= hi; s += 16) {
+    for (int64_t s = lo; s < s0; s += 16) {
       v16 e = vexp(load16(l + s) - mx[g]);
       store16(l + s, e);
       sum += hsum(e);
+    }
+    if (s0 <= hi) {
+      float* c = cbuf.data();
+      int64_t n = 0;
+      for (int64_t s = s0; s <= hi; s++)
+        if (!sm.hidden(s)) c[n++] = l[s];
+      for (int64_t t = n; t < n + 16; t++) c[t] = -INFINITY;
+      for (int64_t j = 0; j < n; j += 16) {
+        v16 e = vexp(load16(c + j) - mx[g]);
+        store16(c + j, e);
+        sum += hsum(e);
+      }
+      for (int64_t s = s0, j = 0; s <= hi; s++) l[s] = sm.hidden(s) ? 0.0f : c[j++];
     }
     inv[g] = 1.0f / sum;
   }

@@ -338,6 +338,38 @@ def test_a_query_does_not_see_the_slots_past_its_own(D):
 
 
 @needs_kernels
+@pytest.mark.parametrize("D", [64, 128])
+def test_a_tree_row_equals_a_decode_step_over_its_accepted_path(D):
+    """A branching tree's row attends its ancestors among the tree's slots; once its path is the
+    cache's next slots (what acceptance leaves), a decode step at its position gives the same bits."""
+    parents = [-1, -1, 0, 1, 2, 2, 4]  # (0,), (1,), (0,0), (1,0), (0,0,0), (0,0,1), (0,0,0,0)
+    T, Hq, Hkv, S = len(parents), 6, 2, 96
+    anc = np.zeros((T, T), bool)
+    for t in range(T):
+        a = t
+        while a >= 0:
+            anc[t, a] = True
+            a = parents[a]
+    rng = np.random.default_rng(D + 1)
+    q = jnp.asarray(rng.standard_normal((1, T, Hq, D)) * 3, jnp.float32)
+    k = rng.standard_normal((1, Hkv, S, D)).astype(np.float32)
+    v = rng.standard_normal((1, Hkv, S, D)).astype(np.float32)
+    depth = anc.sum(1) - 1
+    for base in range(40, 57):
+        tree = np.asarray(panels.tree_attention(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(base + depth[None]),
+                                                jnp.asarray([base], jnp.int32), jnp.asarray(anc[None]), window=None,
+                                                scale=0.125))
+        for t in range(T):
+            path = np.flatnonzero(anc[t])  # ancestors in slot order, then itself
+            k2, v2 = k.copy(), v.copy()
+            k2[:, :, base:base + len(path)] = k[:, :, base + path]
+            v2[:, :, base:base + len(path)] = v[:, :, base + path]
+            own = panels.decode_attention(q[:, t:t + 1], jnp.asarray(k2), jnp.asarray(v2),
+                                          jnp.asarray([[base + depth[t]]], jnp.int32), window=None, scale=0.125)
+            np.testing.assert_array_equal(tree[:, t:t + 1], np.asarray(own))
+
+
+@needs_kernels
 def test_decode_attention_errors():
     q = jnp.zeros((1, 1, 4, 16), jnp.float32)
     kv = jnp.zeros((1, 3, 8, 16), jnp.float32)
