@@ -192,6 +192,11 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scaled(x, normed)
+
+    def scaled(self, x, normed):
+        """The norm's output from ``normed`` = ``x32 * rsqrt(mean(x32^2) + eps)`` (float32), however
+        that was computed (the CPU decode path's kernel, :func:`specjax.models.panels.rms_normed`)."""
         if self.unit_offset:
             return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         return self.scale[...] * normed.astype(x.dtype)

@@ -258,6 +258,26 @@ def rope_fits(q_proj, q, cos) -> bool:
             and _fits(q.dtype, q.shape[0] * q.shape[1], attention_row_limit(value)))
 
 
+def norm_fits(value, x) -> bool:
+    """An RMSNorm ahead of the weight holding ``value`` normalises on :func:`rms_normed`: the
+    forward is in the panel view (``value`` is :class:`Paneled`), ``x`` is float32 with no more
+    rows than :func:`attention_row_limit` (the forwards of a decode loop; a float32 prefill keeps
+    XLA's reduction, bit for bit the plain params')."""
+    return isinstance(value, Paneled) and _fits(x.dtype, math.prod(x.shape[:-1]), attention_row_limit(value))
+
+
+def rms_normed(x, eps: float):
+    """``x / sqrt(mean(x^2) + eps)`` over the last axis on the native kernel, each row summed in
+    one order whatever the number of rows (XLA's CPU reduction changes its order at 8 rows).
+    float32 [..., D] -> float32 [..., D]."""
+    if x.dtype != jnp.float32:
+        raise TypeError(f"rmsnorm kernel takes float32, got {x.dtype}")
+    D = x.shape[-1]
+    y = jax.ffi.ffi_call("specjax_rmsnorm", jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), D), jnp.float32),
+                         vmap_method="sequential")(jnp.reshape(x, (-1, D)), eps=np.float32(eps))
+    return jnp.reshape(y, x.shape)
+
+
 def rope(q, k, cos, sin):
     """The neox rotary embedding of ``q`` [B, T, Hq, D] and ``k`` [B, T, Hkv, D] by ``cos``/``sin``
     [B, T, R] (R <= D rotary channels) on the native kernel, each product and sum rounded on its

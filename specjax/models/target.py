@@ -143,7 +143,8 @@ class CausalLM(nnx.Module):
 
     def head(self, h):
         """Final norm + lm_head over pre-norm hidden states ``[..., hidden]`` -> logits ``[..., vocab]``."""
-        h = self.model.norm(h)
+        w = self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.kernel
+        h = norm_rows(self.model.norm, h, w.get_value())
         if self.lm_head is None:
             return self.model.embed_tokens.attend(h)
         return self.lm_head(h)
@@ -212,19 +213,29 @@ class CausalLM(nnx.Module):
 
 
 
+def norm_rows(norm, x, value):
+    """``norm(x)``; in a decode loop's forwards on the CPU kernels (``value``, a weight the norm
+    feeds, is :class:`specjax.models.panels.Paneled`: :func:`specjax.models.panels.norm_fits`) its
+    rows are normalised on the kernel, summed in one order whatever the number of rows."""
+    if isinstance(norm, RMSNorm) and panels.norm_fits(value, x):
+        return norm.scaled(x, panels.rms_normed(x, norm.eps))
+    return norm(x)
+
+
 def _layer_step(layer, x, cos, sin, mode, ck, cv, l=None):
     """One decoder layer of a target forward -> (x, K, V) (K/V as the cache now holds them when
     ``ck``/``cv``, the layer's cache, are given; with ``l``, the int32 layer index, ``ck``/``cv``
     are the whole stacked cache and come back with layer ``l`` written)."""
     attn = layer.self_attn
-    q, k, v = attn.project(layer.input_layernorm(x))
+    value = attn.q_proj.kernel.get_value()
+    q, k, v = attn.project(norm_rows(layer.input_layernorm, x, value))
     if panels.rope_fits(attn.q_proj, q, cos):  # the CPU kernel: rounded alike whatever the program's shapes
         q, k = panels.rope(q, k, cos, sin)
     else:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, k, v = mode.attend(attn, q, k, v, layer.sliding_window, ck, cv, layer=l)
     x = x + attn.output(o)
-    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
+    return x + layer.mlp(norm_rows(layer.post_attention_layernorm, x, value)), k, v
 
 
 def _scan_layers(layers, x, cos, sin, mode, taps, aux, K=None, V=None):

@@ -1,7 +1,9 @@
-"""The rotary-embedding CPU kernel (``specjax_rope``): products and sums rounded one by one (the
-eager arithmetic), whatever the program's shapes, and the forwards that take it. (What it fixes
-shows only in optimised codegen of the whole SmolLM2 loop, not in the tests' -O0 builds nor in a
-tiny model: the bf16 loop at batch 1 against batch 2, docs/main-job.md.)"""
+"""The decode path's row-wise CPU kernels: the rotary embedding (``specjax_rope``: products and
+sums rounded one by one, the eager arithmetic) and the RMSNorm's normalisation
+(``specjax_rmsnorm``: each row summed in one order), whatever the program's shapes, and the
+forwards that take them: a verify of any number of rows equals its decode steps bit for bit.
+(The rope's case shows only in optimised codegen of the whole SmolLM2 loop: the bf16 loop at
+batch 1 against batch 2, docs/main-job.md.)"""
 
 from __future__ import annotations
 
@@ -83,3 +85,58 @@ def test_decode_forwards_take_the_kernel_and_a_float32_prefill_does_not(tied, mo
         calls.clear()
         fwd(view, jnp.ones((1, T), jnp.int32), KVCache.init(cfg, 1, 40))
         assert calls and all(s[:2] == (1, T) for s in calls)
+
+
+def test_rmsnorm_kernel_rows_alone_and_together():
+    """Each row is normalised in one order: N rows in a call give each row's bits alone, within
+    float32 rounding of XLA's RMSNorm; bad dtypes are refused."""
+    from specjax.models.layers import RMSNorm
+
+    rng = np.random.default_rng(5)
+    for D in (576, 64, 40):
+        x = jnp.asarray(rng.standard_normal((11, D)) * 4, jnp.float32)
+        together = np.asarray(jax.jit(lambda a: panels.rms_normed(a, 1e-5))(x))
+        alone = np.concatenate([np.asarray(panels.rms_normed(x[i:i + 1], 1e-5)) for i in range(11)])
+        np.testing.assert_array_equal(together, alone)
+        norm = RMSNorm(D, 1e-5)
+        ref = np.asarray(norm(x))
+        got = np.asarray(norm.scaled(x, jnp.asarray(together)))
+        assert np.abs(ref - got).max() <= 2e-6 * np.abs(ref).max()
+    with pytest.raises(TypeError, match="float32"):
+        panels.rms_normed(x.astype(jnp.bfloat16), 1e-5)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """SmolLM2's widths (576 hidden, 9 x 64 heads, 3 kv heads), two layers."""
+    return load_hf_dir(make_verifier(tmp_path_factory.mktemp("rope") / "wide", "llama", tie_word_embeddings=True,
+                                     hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                     intermediate_size=256, num_hidden_layers=2))
+
+
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_a_verify_of_any_rows_equals_its_decode_steps(wide, compute):
+    """In the panel view a cached forward of T rows (a chain or tree verify) gives each row's
+    logits and keys bit for bit as T one-row decode steps do, for T up to past 8 (where XLA's CPU
+    reduction changes its order: the norms run on the kernel)."""
+    graphdef, state = nnx.split(wide)
+    view = panels.decode_state(wide, state, compute=compute, rows=1)
+    cfg = wide.config
+
+    @jax.jit
+    def fwd(st, ids, cache):
+        out = nnx.merge(graphdef, st)(ids, cache=cache)
+        return out.logits, out.cache
+
+    rng = np.random.default_rng(7)
+    _, cache = fwd(view, jnp.asarray(rng.integers(1, cfg.vocab_size, (1, 30)), jnp.int32), KVCache.init(cfg, 1, 64))
+    extra = rng.integers(1, cfg.vocab_size, 12).tolist()
+    steps, c1 = [], cache
+    for t in extra:
+        lg, c1 = fwd(view, jnp.asarray([[t]], jnp.int32), c1)
+        steps.append(np.asarray(lg)[0, -1])
+    for T in (4, 8, 9, 12):
+        lg, cT = fwd(view, jnp.asarray([extra[:T]], jnp.int32), cache)
+        np.testing.assert_array_equal(np.asarray(lg)[0], np.stack(steps[:T]))
+        for a, b in zip(cT.k, c1.k):
+            np.testing.assert_array_equal(np.asarray(a)[..., :30 + T, :], np.asarray(b)[..., :30 + T, :])
