@@ -246,23 +246,13 @@ def attention_fits(q_proj, q, k) -> bool:
             and _fits(q.dtype, q.shape[0] * q.shape[1], attention_row_limit(value)))
 
 
-def rope_fits(q_proj, q, cos) -> bool:
-    """The layer's rotary embedding runs on :func:`rope`: the forward is in the panel view
-    (``q_proj``'s kernel is :class:`Paneled`: single-device CPU with the kernels), ``q`` and ``cos``
-    are float32 and ``q`` has no more rows than the cached attention takes on its kernel
-    (:func:`attention_row_limit`): the forwards of a decode loop (steps, verifies, a bf16 state's
-    prefills) round their keys alike whatever their shapes; a float32 prefill keeps XLA's
-    arithmetic, bit for bit the plain params' own."""
-    value = q_proj.kernel.get_value()
-    return (isinstance(value, Paneled) and cos.dtype == jnp.float32
-            and _fits(q.dtype, q.shape[0] * q.shape[1], attention_row_limit(value)))
-
-
-def norm_fits(value, x) -> bool:
-    """An RMSNorm ahead of the weight holding ``value`` normalises on :func:`rms_normed`: the
-    forward is in the panel view (``value`` is :class:`Paneled`), ``x`` is float32 with no more
-    rows than :func:`attention_row_limit` (the forwards of a decode loop; a float32 prefill keeps
-    XLA's reduction, bit for bit the plain params')."""
+def rows_fit(value, x) -> bool:
+    """A decode-loop forward's row-wise work (rotary embedding, RMSNorm) runs on the kernels
+    (:func:`rope`, :func:`rms_normed`): the layer is in the panel view (``value``, one of its
+    weights, is :class:`Paneled`) and ``x`` [..., hidden] is float32 with no more rows than the
+    cached attention takes on its kernel (:func:`attention_row_limit`): the steps and verifies of a
+    decode loop (and a bf16 state's prefills) round alike whatever their shapes; a float32 prefill
+    keeps XLA's arithmetic, bit for bit the plain params' own."""
     return isinstance(value, Paneled) and _fits(x.dtype, math.prod(x.shape[:-1]), attention_row_limit(value))
 
 

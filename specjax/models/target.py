@@ -144,7 +144,7 @@ class CausalLM(nnx.Module):
     def head(self, h):
         """Final norm + lm_head over pre-norm hidden states ``[..., hidden]`` -> logits ``[..., vocab]``."""
         w = self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.kernel
-        h = norm_rows(self.model.norm, h, w.get_value())
+        h = norm_rows(self.model.norm, h, panels.rows_fit(w.get_value(), h))
         if self.lm_head is None:
             return self.model.embed_tokens.attend(h)
         return self.lm_head(h)
@@ -213,11 +213,10 @@ class CausalLM(nnx.Module):
 
 
 
-def norm_rows(norm, x, value):
-    """``norm(x)``; in a decode loop's forwards on the CPU kernels (``value``, a weight the norm
-    feeds, is :class:`specjax.models.panels.Paneled`: :func:`specjax.models.panels.norm_fits`) its
-    rows are normalised on the kernel, summed in one order whatever the number of rows."""
-    if isinstance(norm, RMSNorm) and panels.norm_fits(value, x):
+def norm_rows(norm, x, on_kernels: bool):
+    """``norm(x)``, its rows normalised on the CPU kernel where ``on_kernels``
+    (:func:`specjax.models.panels.rows_fit`): summed in one order whatever the number of rows."""
+    if on_kernels and isinstance(norm, RMSNorm):
         return norm.scaled(x, panels.rms_normed(x, norm.eps))
     return norm(x)
 
@@ -227,15 +226,15 @@ def _layer_step(layer, x, cos, sin, mode, ck, cv, l=None):
     ``ck``/``cv``, the layer's cache, are given; with ``l``, the int32 layer index, ``ck``/``cv``
     are the whole stacked cache and come back with layer ``l`` written)."""
     attn = layer.self_attn
-    value = attn.q_proj.kernel.get_value()
-    q, k, v = attn.project(norm_rows(layer.input_layernorm, x, value))
-    if panels.rope_fits(attn.q_proj, q, cos):  # the CPU kernel: rounded alike whatever the program's shapes
+    rows = panels.rows_fit(attn.q_proj.kernel.get_value(), x)  # a decode loop's forward on the CPU kernels
+    q, k, v = attn.project(norm_rows(layer.input_layernorm, x, rows))
+    if rows and q.dtype == k.dtype == cos.dtype == jnp.float32:  # rounded alike whatever the program's shapes
         q, k = panels.rope(q, k, cos, sin)
     else:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, k, v = mode.attend(attn, q, k, v, layer.sliding_window, ck, cv, layer=l)
     x = x + attn.output(o)
-    return x + layer.mlp(norm_rows(layer.post_attention_layernorm, x, value)), k, v
+    return x + layer.mlp(norm_rows(layer.post_attention_layernorm, x, rows)), k, v
 
 
 def _scan_layers(layers, x, cos, sin, mode, taps, aux, K=None, V=None):

@@ -319,57 +319,6 @@ def test_range_attention_on_a_seq_major_draft_cache_equals_cache_mask(window):
 
 
 @needs_kernels
-@pytest.mark.parametrize("D", [64, 128, 24])
-def test_a_query_does_not_see_the_slots_past_its_own(D):
-    """A query's output is the same bits whether its slot range stops at its own slot (a decode
-    step, a chain verify) or runs on over masked tree slots (a tree verify): a chain-shaped tree's
-    rows equal decode attention at their own positions, bit for bit, for every length mod 16."""
-    B, T, Hq, Hkv, S = 1, 7, 6, 2, 96
-    rng = np.random.default_rng(D)
-    q = jnp.asarray(rng.standard_normal((B, T, Hq, D)) * 3, jnp.float32)
-    k = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), jnp.float32)
-    chain = jnp.asarray(np.tril(np.ones((T, T), bool))[None])
-    for base in range(40, 57):  # the tree's first slot: every phase of the 16-slot blocks
-        pos = jnp.asarray(base + np.arange(T)[None], jnp.int32)
-        tree = panels.tree_attention(q, k, v, pos, jnp.asarray([base], jnp.int32), chain, window=None, scale=0.125)
-        own = panels.decode_attention(q, k, v, pos, window=None, scale=0.125)
-        np.testing.assert_array_equal(np.asarray(tree), np.asarray(own))
-
-
-@needs_kernels
-@pytest.mark.parametrize("D", [64, 128])
-def test_a_tree_row_equals_a_decode_step_over_its_accepted_path(D):
-    """A branching tree's row attends its ancestors among the tree's slots; once its path is the
-    cache's next slots (what acceptance leaves), a decode step at its position gives the same bits."""
-    parents = [-1, -1, 0, 1, 2, 2, 4]  # (0,), (1,), (0,0), (1,0), (0,0,0), (0,0,1), (0,0,0,0)
-    T, Hq, Hkv, S = len(parents), 6, 2, 96
-    anc = np.zeros((T, T), bool)
-    for t in range(T):
-        a = t
-        while a >= 0:
-            anc[t, a] = True
-            a = parents[a]
-    rng = np.random.default_rng(D + 1)
-    q = jnp.asarray(rng.standard_normal((1, T, Hq, D)) * 3, jnp.float32)
-    k = rng.standard_normal((1, Hkv, S, D)).astype(np.float32)
-    v = rng.standard_normal((1, Hkv, S, D)).astype(np.float32)
-    depth = anc.sum(1) - 1
-    for base in range(40, 57):
-        tree = np.asarray(panels.tree_attention(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(base + depth[None]),
-                                                jnp.asarray([base], jnp.int32), jnp.asarray(anc[None]), window=None,
-                                                scale=0.125))
-        for t in range(T):
-            path = np.flatnonzero(anc[t])  # ancestors in slot order, then itself
-            k2, v2 = k.copy(), v.copy()
-            k2[:, :, base:base + len(path)] = k[:, :, base + path]
-            v2[:, :, base:base + len(path)] = v[:, :, base + path]
-            own = panels.decode_attention(q[:, t:t + 1], jnp.asarray(k2), jnp.asarray(v2),
-                                          jnp.asarray([[base + depth[t]]], jnp.int32), window=None, scale=0.125)
-            np.testing.assert_array_equal(tree[:, t:t + 1], np.asarray(own))
-
-
-@needs_kernels
 def test_decode_attention_errors():
     q = jnp.zeros((1, 1, 4, 16), jnp.float32)
     kv = jnp.zeros((1, 3, 8, 16), jnp.float32)
