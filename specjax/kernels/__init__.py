@@ -142,6 +142,17 @@ def amx_tiles() -> bool:
         return _state["amx"]
 
 
+def dpbf16() -> bool:
+    """The bf16-compute kernel's vector path multiplies with AVX512-BF16's ``vdpbf16ps`` (the build
+    targets a CPU with it; else two float32 FMAs a pair). False when the kernels are unavailable."""
+    if not available("cpu"):
+        return False
+    with _lock:
+        if "dpbf16" not in _state:
+            _state["dpbf16"] = bool(_state["lib"].specjax_dpbf16())
+        return _state["dpbf16"]
+
+
 def status() -> dict:
     """``{"enabled", "loaded", "reason"}`` for reports."""
     return {"enabled": not disabled_by_env(), "loaded": bool(_state.get("ok")), "reason": _state.get("why")}

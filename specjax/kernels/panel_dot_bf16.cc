@@ -256,6 +256,16 @@ extern "C" int specjax_amx_tiles() {
 #endif
 }
 
+// 1 when this build's vector path multiplies with AVX512-BF16's vdpbf16ps (compiled for a CPU with it),
+// else 0 (two float32 FMAs a pair): read through ctypes (specjax.kernels.dpbf16).
+extern "C" int specjax_dpbf16() {
+#if SPECJAX_DPBF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_panel_dot_bf16, PanelDotBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -427,15 +427,17 @@ def test_bf16_compute_decode_state(tied, monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("tiles", [False, True])
-def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied, monkeypatch, tiles):
+@pytest.mark.parametrize("arith", ["fma", "dpbf16", "tiles"])
+def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied, monkeypatch, arith):
     """A bf16-compute state runs matmuls and the cached attention on the native kernels up to
     MAX_ROWS_BF16 rows (a regeneration batch of 32 or 64 sequences), beyond MAX_ROWS, and for any
-    number of rows where the kernel runs on AMX tiles (``tiles``: a prefill too); the float32 panel
-    view keeps MAX_ROWS; past the limits they take XLA's ops. Outputs on the kernels equal XLA's
-    bf16 dot's within float32 rounding."""
+    number of rows where the kernel runs on AMX tiles or on ``vdpbf16ps`` (``arith``: a prefill
+    too); the float32 panel view keeps MAX_ROWS; past the limits they take XLA's ops. Outputs on
+    the kernels equal XLA's bf16 dot's within float32 rounding."""
     monkeypatch.setenv("SPECJAX_BF16_DOT", "kernel")
-    monkeypatch.setattr(panels, "kernel_has_amx", lambda: tiles)
+    monkeypatch.setattr(panels, "kernel_has_amx", lambda: arith == "tiles")
+    monkeypatch.setattr(panels, "kernel_has_dpbf16", lambda: arith == "dpbf16")
+    tiles = arith != "fma"
     graphdef, state = nnx.split(tied)
     view = panels.decode_state(tied, state, compute="bfloat16")
     f32_view = panels.decode_state(tied, state)
@@ -464,6 +466,7 @@ def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied, monkeypatc
     a = np.asarray(jax.jit(fwd)(view, ids, KVCache.init(cfg, 2, 48))[0])
     limits = panels.MAX_ROWS, panels.MAX_ROWS_BF16
     monkeypatch.setattr(panels, "kernel_has_amx", lambda: False)
+    monkeypatch.setattr(panels, "kernel_has_dpbf16", lambda: False)
     try:
         panels.MAX_ROWS = panels.MAX_ROWS_BF16 = 0
         b = np.asarray(jax.jit(fwd)(view, ids, KVCache.init(cfg, 2, 48))[0])
@@ -485,8 +488,12 @@ def test_bf16_layout_follows_the_cpu_and_the_rows(monkeypatch):
     assert {panels.bf16_layout(r) for r in (1, n + 1, top, top + 1, None)} == {"pairs"}
     assert panels.bf16_row_limit() > 10**9
     monkeypatch.setattr(panels, "kernel_has_amx", lambda: False)
+    monkeypatch.setattr(panels, "kernel_has_dpbf16", lambda: False)
     assert [panels.bf16_layout(r) for r in (1, n, n + 1, 64, None)] == ["pairs", "pairs", "dot", "dot", "dot"]
     assert panels.bf16_row_limit() == top
+    monkeypatch.setattr(panels, "kernel_has_dpbf16", lambda: True)  # vdpbf16ps: every row, a prefill too
+    assert panels.bf16_row_limit() > 10**9
+    monkeypatch.setattr(panels, "kernel_has_dpbf16", lambda: False)
     monkeypatch.setattr(panels, "host_has_amx", lambda: False)
     assert {panels.bf16_layout(r) for r in (1, n + 1, 64, None)} == {"pairs"}
     monkeypatch.setenv("SPECJAX_BF16_DOT", "xla")
@@ -523,6 +530,15 @@ def test_the_bf16_kernel_takes_the_tiles_on_a_cpu_with_amx():
     and for prefills (the tiles stream each weight once, where XLA's dot did not)."""
     assert kernels.amx_tiles()
     assert panels.kernel_has_amx() and panels.bf16_layout(None) == "pairs" and panels.bf16_row_limit() > 10**9
+
+
+@needs_kernels
+@pytest.mark.skipif(not panels.host_has_flag("avx512_bf16") or os.environ.get("SPECJAX_KERNEL_ARCH", "native") != "native",
+                    reason="the CPU has no AVX512-BF16, or the kernels are built for another CPU")
+def test_the_bf16_kernel_takes_vdpbf16ps_and_every_row_on_a_cpu_with_avx512_bf16():
+    """Built for this CPU, the k-pair kernel's vector path multiplies with ``vdpbf16ps`` where the
+    CPU has AVX512-BF16, and a bf16-compute state then takes it for prefills too."""
+    assert kernels.dpbf16() and panels.kernel_has_dpbf16() and panels.bf16_row_limit() > 10**9
 
 
 @needs_kernels

@@ -189,3 +189,33 @@ def test_a_tree_row_equals_a_decode_step_over_its_accepted_path(D):
             own = panels.decode_attention(q[:, t:t + 1], jnp.asarray(k2), jnp.asarray(v2),
                                           jnp.asarray([[base + depth[t]]], jnp.int32), window=None, scale=0.125)
             np.testing.assert_array_equal(tree[:, t:t + 1], np.asarray(own))
+
+
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_a_tree_verify_row_equals_the_decode_steps_over_its_path(wide, compute):
+    """In the panel view each row of a branching tree verify (tree mask, positions by depth) gives
+    the logits that decode steps over its root-to-node path give, bit for bit: so a tree loop
+    accepts exactly the tokens target-only decoding makes, in bf16 too."""
+    from specjax.decode.tree import TokenTree
+
+    tree = TokenTree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)])
+    graphdef, state = nnx.split(wide)
+    view = panels.decode_state(wide, state, compute=compute, rows=1)
+    cfg = wide.config
+
+    @jax.jit
+    def fwd(st, ids, cache, tree_mask=None):
+        out = nnx.merge(graphdef, st)(ids, cache=cache, tree_mask=tree_mask)
+        return out.logits, out.cache
+
+    rng = np.random.default_rng(11)
+    _, cache = fwd(view, jnp.asarray(rng.integers(1, cfg.vocab_size, (1, 37)), jnp.int32), KVCache.init(cfg, 1, 64))
+    tokens = rng.integers(1, cfg.vocab_size, tree.num_nodes + 1)
+    lg, _ = fwd(view, jnp.asarray(tokens[None], jnp.int32), cache, jnp.asarray(tree.mask))
+    lg = np.asarray(lg)[0]
+    for node in range(tree.num_nodes + 1):
+        path = tree.path_nodes[node][tree.path_nodes[node] >= 0]
+        c = cache
+        for t in tokens[path]:
+            step, c = fwd(view, jnp.asarray([[t]], jnp.int32), c)
+        np.testing.assert_array_equal(lg[node], np.asarray(step)[0, -1], err_msg=f"node {node}, path {path.tolist()}")
