@@ -507,17 +507,22 @@ def test_bf16_layout_follows_the_cpu_and_the_rows(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("layout", ["pairs", "float32", "bf16"])
 @pytest.mark.parametrize("K,N", [(576, 192), (100, 96), (1536, 576)])
-def test_bf16_kernel_rows_do_not_depend_on_the_other_rows(K, N):
-    """A row's bf16 products and float32 sums come out bit for bit the same whatever rows share the
-    call (1 to 70 rows: one, several 16-row tile groups, a short last group; K a multiple of 32 or
-    not): so a prefill, a decode step and a verify of the same token multiply alike."""
+def test_kernel_rows_do_not_depend_on_the_other_rows(K, N, layout):
+    """A row's products and float32 sums come out bit for bit the same whatever rows share the call
+    (1 to 70 rows: one pass of up to 6 rows, or 8 on narrower panels; several groups over chunks of
+    K; several 16-row tile groups, a short last group; K a multiple of 32 or not), on the bf16
+    kernel's k-pair panels and on the float32 kernel's float32 and bfloat16 panels: so a prefill, a
+    decode step and a verify of the same token multiply alike."""
     rng = np.random.default_rng(K + N)
     x = jnp.asarray(rng.standard_normal((70, K)), jnp.float32)
-    wp = panels.pack_pairs(jnp.asarray(rng.standard_normal((K, N)), jnp.float32))
+    w = jnp.asarray(rng.standard_normal((K, N)), jnp.float32)
+    wp = {"pairs": panels.pack_pairs, "float32": panels.pack,
+          "bf16": lambda w: panels.pack(w.astype(jnp.bfloat16))}[layout](w)
     mm = jax.jit(panels.matmul)
     full = np.asarray(mm(x, wp))
-    for lo, hi in ((0, 1), (3, 4), (0, 5), (20, 37), (33, 70), (69, 70)):
+    for lo, hi in ((0, 1), (3, 4), (0, 5), (0, 6), (1, 8), (2, 11), (20, 37), (33, 70), (69, 70)):
         np.testing.assert_array_equal(np.asarray(mm(x[lo:hi], wp)), full[lo:hi])
 
 
