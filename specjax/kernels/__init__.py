@@ -130,27 +130,28 @@ def available(platform: str | None = None) -> bool:
     return (platform or placement.platform()) == "cpu" and load()
 
 
+def _build_flag(symbol: str) -> bool:
+    """An ``int symbol()`` of the built library, read once through ctypes; False when the kernels
+    are unavailable (:func:`available`)."""
+    if not available("cpu"):
+        return False
+    with _lock:
+        if symbol not in _state:
+            _state[symbol] = bool(getattr(_state["lib"], symbol)())
+        return _state[symbol]
+
+
 def amx_tiles() -> bool:
     """The bf16-compute kernel (``specjax_panel_dot_bf16``) multiplies on AMX tiles: the build
     targets a CPU with ``amx_bf16`` and the OS let this process use the tiles. False when the
     kernels are unavailable (:func:`available`)."""
-    if not available("cpu"):
-        return False
-    with _lock:
-        if "amx" not in _state:
-            _state["amx"] = bool(_state["lib"].specjax_amx_tiles())
-        return _state["amx"]
+    return _build_flag("specjax_amx_tiles")
 
 
 def dpbf16() -> bool:
     """The bf16-compute kernel's vector path multiplies with AVX512-BF16's ``vdpbf16ps`` (the build
     targets a CPU with it; else two float32 FMAs a pair). False when the kernels are unavailable."""
-    if not available("cpu"):
-        return False
-    with _lock:
-        if "dpbf16" not in _state:
-            _state["dpbf16"] = bool(_state["lib"].specjax_dpbf16())
-        return _state["dpbf16"]
+    return _build_flag("specjax_dpbf16")
 
 
 def status() -> dict:

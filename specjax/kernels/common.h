@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -27,6 +28,23 @@ typedef int32_t i16v __attribute__((vector_size(64)));
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 inline v16 splat(float s) { return s - v16{}; }  // s - 0 == s exactly: folds to a broadcast
+
+// The matmul kernels' rows per pass over a panel of 16 V columns: as many as the 32 vector registers
+// hold beside the panel row and a broadcast (R x V accumulators), so a verify of up to 6 rows (8 on
+// 16- and 32-column panels) reads each panel once, as a decode step does.
+template <int V>
+constexpr int group_rows() {
+  return V >= 4 ? 6 : 8;
+}
+
+// f(std::integral_constant<int, r>{}) for a runtime 1 <= r <= Max: a row count as a template argument.
+template <int Max, typename F>
+inline void with_rows(int64_t r, F&& f) {
+  if constexpr (Max > 1) {
+    if (r < Max) return with_rows<Max - 1>(r, f);
+  }
+  f(std::integral_constant<int, Max>{});
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)

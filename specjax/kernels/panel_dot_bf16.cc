@@ -104,36 +104,22 @@ void rows_dot(const uint16_t* x, int64_t ldx, int64_t h0, int64_t h1, const uint
     for (int j = 0; j < V; j++) store16(y + i * N + 16 * j, acc[i][j]);
 }
 
-// Rows per group: as many as the registers hold (R x V accumulators, V panel vectors and a
-// broadcast of the 32 zmm), so a verify of up to 6 rows (8 on panels of 16 or 32 columns) reads its
-// panel once, in one pass, as a decode step does.
-template <int V>
-constexpr int group_rows() {
-  return V >= 4 ? 6 : 8;
-}
-
-template <int V, int R = group_rows<V>()>
-void rows_any(int64_t r, const uint16_t* x, int64_t ldx, int64_t h0, int64_t h1, const uint16_t* w, float* y,
-              int64_t N, bool add) {
-  if constexpr (R > 1) {
-    if (r < R) return rows_any<V, R - 1>(r, x, ldx, h0, h1, w, y, N, add);
-  }
-  rows_dot<R, V>(x, ldx, h0, h1, w, y, N, add);
-}
-
-// All M rows times one panel: up to group_rows rows in one pass over the panel; more in groups of
-// 4 over chunks of K (16 KB of panel) that stay in the core's L1 while every group reads them (9
-// rows in groups of 6 and 3 ran slower than 4, 4 and 1). A row's sums run over K in the same order
-// whatever the grouping (a chunk's partial sums are stored and reloaded exactly), so its outputs do
-// not depend on the other rows.
+// All M rows times one panel: up to group_rows (common.h) rows in one pass over the panel; more
+// in groups of 4 over chunks of K (16 KB of panel) that stay in the core's L1 while every group
+// reads them (9 rows in groups of 6 and 3 ran slower than 4, 4 and 1). A row's sums run over K in
+// the same order whatever the grouping (a chunk's partial sums are stored and reloaded exactly), so
+// its outputs do not depend on the other rows.
 template <int V>
 void panel_dot(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N) {
-  const int64_t H = K / 2, G = M <= group_rows<V>() ? M : 4;
-  const int64_t chunk = M <= group_rows<V>() ? H : std::max<int64_t>(1, 16384 / (64 * V));
+  const bool one_pass = M <= specjax::group_rows<V>();
+  const int64_t H = K / 2, G = one_pass ? M : 4;
+  const int64_t chunk = one_pass ? H : std::max<int64_t>(1, 16384 / (64 * V));
   for (int64_t h0 = 0; h0 < H; h0 += chunk) {
     int64_t h1 = std::min(H, h0 + chunk);
     for (int64_t r0 = 0; r0 < M; r0 += G)
-      rows_any<V>(std::min<int64_t>(G, M - r0), x + r0 * K, K, h0, h1, w, y + r0 * N, N, h0 > 0);
+      specjax::with_rows<specjax::group_rows<V>()>(std::min<int64_t>(G, M - r0), [&](auto R) {
+        rows_dot<decltype(R)::value, V>(x + r0 * K, K, h0, h1, w, y + r0 * N, N, h0 > 0);
+      });
   }
 }
 

@@ -9,8 +9,8 @@
 // weight of the model once, so it is bound by how fast the weights stream from memory. XLA's CPU
 // dot reads a row-major [K, N] kernel with a stride of N floats per row of K; each panel here is
 // one contiguous stream instead, which the hardware prefetchers follow at close to the memory
-// bandwidth. The rows of x stay in registers: a group of up to 6 rows (8 on narrower panels) keeps R x (Wd/16)
-// accumulators of 16 floats and reads each weight once per group.
+// bandwidth. The rows of x stay in registers: a group of up to 6 rows (8 on narrower panels)
+// keeps R x (Wd/16) accumulators of 16 floats and reads each weight once per group.
 //
 // Panels are the work units, shared out over the calling thread and XLA's intra-op pool
 // (common.h, with the vector types).
@@ -79,35 +79,21 @@ static void panel_rows(const float* x, int64_t ldx, int64_t k0, int64_t k1, cons
     for (int j = 0; j < V; j++) store16(y + i * N + 16 * j, acc[i][j]);
 }
 
-// Rows per group: as many as the registers hold (R x V accumulators, V panel vectors and a
-// broadcast of the 32 zmm), so a verify of up to 6 rows (8 on panels of 16 or 32 columns) reads its
-// panel once, in one pass, as a decode step does.
-template <int V>
-constexpr int group_rows() {
-  return V >= 4 ? 6 : 8;
-}
-
-template <int V, typename T, int R = group_rows<V>()>
-static void rows_any(int64_t r, const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* w, float* y, int64_t N,
-                     bool add) {
-  if constexpr (R > 1) {
-    if (r < R) return rows_any<V, T, R - 1>(r, x, ldx, k0, k1, w, y, N, add);
-  }
-  panel_rows<R, V, T>(x, ldx, k0, k1, w, y, N, add);
-}
-
-// All M rows times one panel: up to group_rows rows in one pass; more in groups of 4 over chunks
-// of K small enough to stay in the core's cache, so the panel streams from memory once
-// whatever M is. A row's sums run over K in the same order whatever the grouping (a chunk's
-// partial sums are stored and reloaded exactly): its outputs do not depend on the other rows.
+// All M rows times one panel: up to group_rows (common.h) rows in one pass; more in groups of 4
+// over chunks of K small enough to stay in the core's cache, so the panel streams from memory once
+// whatever M is. A row's sums run over K in the same order whatever the grouping (a chunk's partial
+// sums are stored and reloaded exactly): its outputs do not depend on the other rows.
 template <int V, typename T>
 static void panel(const float* x, int64_t M, int64_t K, const T* w, float* y, int64_t N) {
-  const int64_t G = M <= group_rows<V>() ? M : 4;
-  const int64_t chunk = M <= group_rows<V>() ? K : std::max<int64_t>(1, 32768 / (64 * V));
+  const bool one_pass = M <= specjax::group_rows<V>();
+  const int64_t G = one_pass ? M : 4;
+  const int64_t chunk = one_pass ? K : std::max<int64_t>(1, 32768 / (64 * V));
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     int64_t k1 = std::min(K, k0 + chunk);
     for (int64_t r0 = 0; r0 < M; r0 += G)
-      rows_any<V, T>(std::min<int64_t>(G, M - r0), x + r0 * K, K, k0, k1, w, y + r0 * N, N, k0 > 0);
+      specjax::with_rows<specjax::group_rows<V>()>(std::min<int64_t>(G, M - r0), [&](auto R) {
+        panel_rows<decltype(R)::value, V, T>(x + r0 * K, K, k0, k1, w, y + r0 * N, N, k0 > 0);
+      });
   }
 }
 

@@ -114,20 +114,25 @@ def wide(tmp_path_factory):
                                      intermediate_size=256, num_hidden_layers=2))
 
 
+def _decode_forward(model, compute):
+    """``model``'s panel view for decode steps (``compute`` arithmetic) and a jitted cached forward
+    ``fwd(view, ids, cache, tree_mask=None) -> (logits, cache)``."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def fwd(st, ids, cache, tree_mask=None):
+        out = nnx.merge(graphdef, st)(ids, cache=cache, tree_mask=tree_mask)
+        return out.logits, out.cache
+    return panels.decode_state(model, state, compute=compute, rows=1), fwd
+
+
 @pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 def test_a_verify_of_any_rows_equals_its_decode_steps(wide, compute):
     """In the panel view a cached forward of T rows (a chain or tree verify) gives each row's
     logits and keys bit for bit as T one-row decode steps do, for T up to past 8 (where XLA's CPU
     reduction changes its order: the norms run on the kernel)."""
-    graphdef, state = nnx.split(wide)
-    view = panels.decode_state(wide, state, compute=compute, rows=1)
+    view, fwd = _decode_forward(wide, compute)
     cfg = wide.config
-
-    @jax.jit
-    def fwd(st, ids, cache):
-        out = nnx.merge(graphdef, st)(ids, cache=cache)
-        return out.logits, out.cache
-
     rng = np.random.default_rng(7)
     _, cache = fwd(view, jnp.asarray(rng.integers(1, cfg.vocab_size, (1, 30)), jnp.int32), KVCache.init(cfg, 1, 64))
     extra = rng.integers(1, cfg.vocab_size, 12).tolist()
@@ -199,15 +204,8 @@ def test_a_tree_verify_row_equals_the_decode_steps_over_its_path(wide, compute):
     from specjax.decode.tree import TokenTree
 
     tree = TokenTree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)])
-    graphdef, state = nnx.split(wide)
-    view = panels.decode_state(wide, state, compute=compute, rows=1)
+    view, fwd = _decode_forward(wide, compute)
     cfg = wide.config
-
-    @jax.jit
-    def fwd(st, ids, cache, tree_mask=None):
-        out = nnx.merge(graphdef, st)(ids, cache=cache, tree_mask=tree_mask)
-        return out.logits, out.cache
-
     rng = np.random.default_rng(11)
     _, cache = fwd(view, jnp.asarray(rng.integers(1, cfg.vocab_size, (1, 37)), jnp.int32), KVCache.init(cfg, 1, 64))
     tokens = rng.integers(1, cfg.vocab_size, tree.num_nodes + 1)
