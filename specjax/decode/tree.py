@@ -55,6 +55,7 @@ import numpy as np
 
 from specjax.decode.accept import residual
 from specjax.decode.sampling import SamplingParams, process_logits
+from specjax.models import panels
 from specjax.models.layers import first_argmax, write_cache
 
 
@@ -370,14 +371,16 @@ def accept_tree(key, target_logits, node_tokens, children, max_depth: int, node_
 # ----------------------------------------------------------------------------- cache compaction
 
 
-def compact_cache(cache, base, path, num_accepted):
+def compact_cache(cache, base, path, num_accepted, *, native: bool = False):
     """Keep the accepted path of a tree verify as consecutive cache rows.
 
     ``cache``: a target :class:`~specjax.models.target.KVCache` (k / v: layers x [B, Hkv, S, D], or
     stacked [L, B, Hkv, S, D], moved layer by layer in a loop) after a tree verify wrote node i at slot ``base + i``; base int32 [B]: the committed length
     before the verify; path int32 [B, D+1], num_accepted int32 [B]: from the accept rule. Returns
     the cache with slot ``base + j`` holding node ``path[:, j]``'s K/V for j <= n and lengths
-    ``base + n + 1`` (root and accepted nodes; slots past that are stale, never read)."""
+    ``base + n + 1`` (root and accepted nodes; slots past that are stale, never read). ``native``
+    (a single-device CPU program with the native kernels, :func:`specjax.models.panels.compact_rows`):
+    a per-layer cache moves on one kernel call, the same bytes as the gathers and scatters."""
     S = cache.max_len
     D1 = path.shape[1]
     src = jnp.minimum(base[:, None] + jnp.maximum(path, 0), S - 1).astype(jnp.int32)  # [B, D+1]
@@ -388,6 +391,10 @@ def compact_cache(cache, base, path, num_accepted):
         return write_cache(buf, dst, jnp.swapaxes(rows, 1, 2))
 
     lengths = (base + num_accepted + 1).astype(jnp.int32)
+    if native and not cache.stacked:
+        moved = panels.compact_rows(base, path, cache.k + cache.v)
+        n = len(cache.k)
+        return cache._replace(k=tuple(moved[:n]), v=tuple(moved[n:]), lengths=lengths)
     if cache.stacked:
         # layer by layer in a loop, each layer's rows gathered by index from the stack and written in
         # place (write_cache's ``layer``). Per round at B=8 on v5e-8 (``plan``): one gather and scatter

@@ -160,3 +160,30 @@ def test_compacted_cache_decodes_like_a_chain_cache(llama):
     a, _ = fwd(state, jnp.asarray([[11], [12]], jnp.int32), stale)
     c, _ = fwd(state, jnp.asarray([[11], [12]], jnp.int32), fwd(state, chain_tok, cache)[1].rollback(base + n + 1))
     assert np.abs(np.asarray(a[0]) - np.asarray(c[0])).max() > 1e-3
+
+
+@pytest.mark.skipif(not kernels.available("cpu"), reason="native CPU kernels unavailable")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_compaction_moves_the_same_bytes_as_the_gathers_and_scatters(dtype):
+    """The one-call kernel compaction (``native``, the single-device CPU tree loop) leaves every
+    slot of every layer's K and V buffer bit for bit as the XLA gathers and scatters do: accepted
+    rows moved, the rows past the path (the root's, as the gather of index 0 gives) written,
+    slots past S dropped, the source rows read before any write; float32 and bfloat16 caches."""
+    rng = np.random.default_rng(3)
+    B, H, S, Dh, D1 = 3, 2, 12, 8, 4
+    ks = tuple(jnp.asarray(rng.standard_normal((B, H, S, Dh)), dtype) for _ in range(3))
+    vs = tuple(jnp.asarray(rng.standard_normal((B, H, S, Dh)), dtype) for _ in range(3))
+    cache = KVCache(ks, vs, jnp.asarray([5, 9, 2], jnp.int32))
+    base = jnp.asarray([3, 10, 0], jnp.int32)  # sequence 1's tree reaches past S (slots dropped)
+    path = jnp.asarray([[0, 2, 3, -1], [0, 1, -1, -1], [0, 1, 4, 6]], jnp.int32)
+    n = jnp.asarray([2, 1, 3], jnp.int32)
+    want = jax.jit(compact_cache)(cache, base, path, n)
+    got = jax.jit(lambda c, b, p, n: compact_cache(c, b, p, n, native=True))(cache, base, path, n)
+    np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
+    for a, b in zip(got.k + got.v, want.k + want.v):
+        assert a.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    # the move did something: sequence 0's slot 4 now holds node 2's row (slot 5)
+    np.testing.assert_array_equal(np.asarray(got.k[0][0, :, 4]), np.asarray(ks[0][0, :, 5]))
+    with pytest.raises(ValueError, match="is not"):
+        panels.compact_rows(base, path, (ks[0][0],))
