@@ -21,7 +21,7 @@ import numpy as np
 from specjax.decode.accept import draft_probs
 from specjax.decode.sampling import SamplingParams
 from specjax.decode.tree import TokenTree, dynamic_tree, parse_tree
-from specjax.models.drafts.common import d2t_of, last_rows, last_valid
+from specjax.models.drafts.common import DraftCache, d2t_of, last_rows, last_valid
 from specjax.models.drafts.vocab import draft_to_target
 from specjax.models.errors import ModelError
 
@@ -180,9 +180,33 @@ def _step_nodes(draft, parents: _Chains, parent_of, tokens, pos0, depth: int) ->
             x = jnp.take_along_axis(x, idx, axis=0)
         return x.reshape(F * B, *x.shape[2:])
 
-    cache = jax.tree_util.tree_map(pick, parents.cache)
+    if Fp == F and depth > 1 and isinstance(parents.cache, DraftCache):
+        cache = _pick_window(parents.cache, parent_of, F, B, depth - 1)
+    else:
+        cache = jax.tree_util.tree_map(pick, parents.cache)
     o = draft.step(cache, tokens.reshape(F * B), pick(parents.hidden), jnp.tile(pos0, F) + depth, depth)
     return o.logits.astype(jnp.float32).reshape(F, B, -1), _Chains(o.cache, o.hidden)
+
+
+def _pick_window(cache: DraftCache, parent_of, F: int, B: int, w: int) -> DraftCache:
+    """:func:`_step_nodes`' parent caches where the level has as many chains as the last (F): the
+    chains share every slot but their scratch window (slots ``lengths .. lengths + w - 1``, their
+    ancestors' steps; every chain was the root's copy at the first level), so each chain's cache
+    takes its parent's window rows in place of a copy of the parent's whole cache. Same contents
+    as the whole-cache gather, slot for slot."""
+    slots = cache.lengths[:B, None] + jnp.arange(w, dtype=jnp.int32)[None]  # [B, w]
+    bi = jnp.arange(B)[:, None]
+
+    def move(buf):  # [F*B, S, H, D]
+        x = buf.reshape(F, B, *buf.shape[1:])
+        rows = x[:, bi, slots]  # [F, B, w, H, D]
+        if isinstance(parent_of, np.ndarray):
+            rows = rows[parent_of]
+        else:
+            rows = jnp.take_along_axis(rows, parent_of.reshape(F, B, 1, 1, 1), axis=0)
+        return x.at[:, bi, slots].set(rows, mode="drop").reshape(buf.shape)
+
+    return cache._replace(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v))
 
 
 def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: TokenTree, sample, key,
