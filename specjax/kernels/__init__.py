@@ -25,10 +25,12 @@ from pathlib import Path
 
 from specjax.paths import cache_root
 
-SOURCES = ("panel_matmul.cc", "panel_dot_bf16.cc", "decode_attention.cc", "rope.cc", "rmsnorm.cc", "compact_rows.cc")
+SOURCES = ("panel_matmul.cc", "panel_dot_bf16.cc", "decode_attention.cc", "rope.cc", "rmsnorm.cc", "compact_rows.cc",
+           "row_argmax.cc")
 HEADERS = ("common.h",)
 TARGETS = ("specjax_panel_matmul", "specjax_panel_matmul_bf16", "specjax_panel_dot_bf16", "specjax_decode_attention",
-           "specjax_tree_attention", "specjax_rope", "specjax_rmsnorm", "specjax_compact_rows")
+           "specjax_tree_attention", "specjax_rope", "specjax_rmsnorm", "specjax_compact_rows",
+           "specjax_row_argmax")
 
 _lock = threading.Lock()
 _state: dict = {}

@@ -207,7 +207,11 @@ def first_argmax(x, axis: int = -1):
     the smallest index that reaches it. XLA's CPU backend runs argmax's paired (value, index)
     reduction 4-7x slower (measured 0.86 vs 0.12 ms over SmolLM2's 49152 logits at batch 4), and
     decoding takes one per target and draft step, training one per scored position. Rows holding
-    NaN give ``x.shape[axis]`` (no index) instead of the NaN's index."""
+    NaN give ``x.shape[axis]`` (no index) instead of the NaN's index. Float32 logits in a
+    single-device CPU program take the native one-pass kernel instead (:func:`panels.row_argmax`,
+    the same indices: a verify's [6, 49152] logits in ~0.3 ms less on 2 cores)."""
+    if panels.row_argmax_fits(x, axis):
+        return panels.row_argmax(x)
     axis = axis % x.ndim
     m = jnp.max(x, axis=axis, keepdims=True)
     idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
