@@ -376,3 +376,46 @@ def test_cli_generate_with_a_tree(tmp_path):
                        (["--tree-topk", "2", "--draft", "self:1"], "--tree-topk, --tree-depth and --tree-nodes together")):
         r = runner.invoke(app, base + extra)
         assert r.exit_code == 2 and msg in r.output, (extra, r.output)
+
+
+def test_carried_chain_caches_draft_the_same_trees(pair, reference, monkeypatch):
+    """A dynamic tree's chains carried across rounds (``ChainCaches``: their copies follow the
+    committed rows instead of being copied from them every round) draft the same trees as fresh
+    copies: round after round of ``propose_tree`` (ragged committed rows, the prompt first), the
+    same tokens, shape and committed draft cache; and the tree loop with or without them the same
+    output, rounds, per-depth histogram and per-node hits."""
+    from specjax.decode import tree_loop
+    from specjax.decode.tree_draft import ChainCaches, as_tree, chain_caches, propose_tree
+
+    target, draft = pair
+    d = draft.module
+    tr = as_tree(DynamicTreeSpec(topk=2, depth=3, num_nodes=5))
+    rng = np.random.default_rng(1)
+    B = 3
+    taps = d.tap_ids(target.config.num_hidden_layers)
+    plain = d.init_cache(B, 64, jnp.float32)
+    carried = chain_caches(d, tr, plain)
+    assert isinstance(carried, ChainCaches)
+    step = jax.jit(lambda c, *a: propose_tree(d, c, *a, tr))
+    start = np.zeros(B, np.int32)
+    for n, nv in ((7, [7, 4, 6]), (4, [2, 4, 1]), (4, [3, 1, 4])):
+        aux = tuple(jnp.asarray(rng.normal(size=(B, n, target.config.hidden_size)), jnp.float32) for _ in taps)
+        args = (d.aux_from_taps(aux), jnp.asarray(rng.integers(3, 40, size=(B, n)), jnp.int32),
+                jnp.asarray(start[:, None] + np.arange(n)[None], jnp.int32), jnp.asarray(nv, jnp.int32))
+        (a, plain), (b, carried) = step(plain, *args), step(carried, *args)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(carried.committed)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        start = start + np.asarray(nv)
+    tree = DynamicTreeSpec(topk=2, depth=3, num_nodes=6)
+    got = tree_generate_ids(target, draft, PROMPTS, tree=tree, max_new_tokens=NEW, eos_token_ids=[])
+    monkeypatch.setattr(tree_loop, "chain_caches", lambda draft, tree, cache: cache)
+    traced = []
+    monkeypatch.setattr(tree_loop, "tree_round", lambda *a, _r=tree_loop.tree_round, **k: traced.append(1) or _r(*a, **k))
+    jax.clear_caches()  # the same static arguments: retrace with the patch
+    fresh = tree_generate_ids(target, draft, PROMPTS, tree=tree, max_new_tokens=NEW, eos_token_ids=[])
+    assert traced  # the loop was traced again, without carried chains
+    assert got.tokens == fresh.tokens == reference and got.rounds == fresh.rounds
+    np.testing.assert_array_equal(got.stats.hist, fresh.stats.hist)
+    np.testing.assert_array_equal(got.node_hits, fresh.node_hits)
