@@ -63,42 +63,6 @@ class Drafted(NamedTuple):
     q: jax.Array  # f32 [B, N+1, V]: the distribution each node was drawn from (sampled proposals), else [1]
 
 
-class ChainCaches(NamedTuple):
-    """A dynamic tree's draft caches carried across the tree loop's rounds (:func:`chain_caches`):
-    the committed cache, and the ``topk`` chains' own copies (leading axis topk*B, f-major) whose
-    committed rows follow it, so a round's first depth starts from them instead of copying the
-    committed cache ``topk`` times."""
-
-    committed: Any
-    chains: Any
-
-
-def chain_caches(draft, tree, cache):
-    """``cache`` as the tree loop carries it: a :class:`ChainCaches` for a dynamic tree drafted by
-    chain steps (EAGLE-3, MTP) over a :class:`DraftCache` (one device: the loop does not pass a
-    mesh), else ``cache`` itself."""
-    if not (isinstance(tree, DynamicTreeSpec) and _mode(draft, None) == "steps" and isinstance(cache, DraftCache)):
-        return cache
-    return ChainCaches(cache, jax.tree_util.tree_map(lambda x: jnp.concatenate([x] * tree.topk, axis=0), cache))
-
-
-def _follow(chains: DraftCache, cache: DraftCache, start, n: int, F: int) -> DraftCache:
-    """The chains' copies given the committed cache's slots ``start .. start + n - 1`` (the rows one
-    ``extend`` wrote) and its lengths. Below that every slot already matches; past it a chain's
-    slots hold old scratch rows that no query reads before its own step rewrites them."""
-    B = start.shape[0]
-    slots = start[:, None] + jnp.arange(n, dtype=jnp.int32)[None]  # [B, n]
-    bi = jnp.arange(B)[:, None]
-
-    def put(dst, src):  # dst [F*B, S, H, D], src [B, S, H, D]
-        x = dst.reshape(F, B, *dst.shape[1:])
-        return x.at[:, bi, slots].set(src[bi, slots][None], mode="drop").reshape(dst.shape)
-
-    return chains._replace(k=tuple(put(d, c) for d, c in zip(chains.k, cache.k)),
-                           v=tuple(put(d, c) for d, c in zip(chains.v, cache.v)),
-                           lengths=jnp.tile(cache.lengths, F))
-
-
 def check_tree_draft(draft, tree=None) -> None:
     """Refuse a draft that cannot draft ``tree`` (:class:`TreeDraftError`): one with neither a
     ``tree_drafting`` kind nor a teacher-forced ``propose(..., forced=)``, or a block draft asked
@@ -125,11 +89,6 @@ def propose_tree(draft, dcache, rows, next_tokens, positions, n_valid, tree, *, 
     chain per node (:func:`forced_logits`; same tokens). Returns the :class:`Drafted` tree and the
     draft cache."""
     mode = _mode(draft, steps)
-    if isinstance(dcache, ChainCaches):  # the tree loop's carried chains (chain_caches)
-        if not (isinstance(tree, DynamicTreeSpec) and mode == "steps"):
-            raise ValueError("ChainCaches carry a dynamic tree drafted by chain steps")
-        return _propose_dynamic(draft, dcache.committed, rows, next_tokens, positions, n_valid, tree, mode,
-                                chains=dcache.chains)
     if isinstance(tree, DynamicTreeSpec):
         if sample is not None:
             raise ValueError("a dynamic tree takes the draft's top-k children (draft_sampling='greedy'), not samples")
@@ -221,8 +180,8 @@ def _step_nodes(draft, parents: _Chains, parent_of, tokens, pos0, depth: int) ->
             x = jnp.take_along_axis(x, idx, axis=0)
         return x.reshape(F * B, *x.shape[2:])
 
-    if Fp == F and isinstance(parents.cache, DraftCache):  # (at depth 1 no scratch row yet: as they are)
-        cache = parents.cache if depth == 1 else _pick_window(parents.cache, parent_of, F, B, depth - 1)
+    if Fp == F and depth > 1 and isinstance(parents.cache, DraftCache):
+        cache = _pick_window(parents.cache, parent_of, F, B, depth - 1)
     else:
         cache = jax.tree_util.tree_map(pick, parents.cache)
     o = draft.step(cache, tokens.reshape(F * B), pick(parents.hidden), jnp.tile(pos0, F) + depth, depth)
@@ -304,8 +263,7 @@ def _propose_static(draft, dcache, rows, next_tokens, positions, n_valid, tree: 
     return nodes, node_q, cache
 
 
-def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec: DynamicTreeSpec, mode: str,
-                     chains=None):
+def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec: DynamicTreeSpec, mode: str):
     """EAGLE-2: scores are the draft's cumulative log-probs (temperature 1, draft vocabulary); the
     frontier of each depth is expanded by one chain step per frontier node from its parent's
     state ("steps", chain drafts), by one batched teacher-forced proposal ("forced"), or from a
@@ -320,10 +278,6 @@ def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec:
             return jax.nn.log_softmax(blk.at(level, draft_to_target(paths, d2t).astype(jnp.int32)), axis=-1)
     elif mode == "steps":
         root_logits, root_chain, cache, pos0 = _extend_root(draft, dcache, rows, next_tokens, pos, n_valid)
-        if chains is not None:  # the carried copies follow the committed rows: no copy of the whole cache
-            F = spec.topk
-            chains = _follow(chains, cache, dcache.lengths, next_tokens.shape[1], F)
-            root_chain = _Chains(chains, jnp.tile(root_chain.hidden, (F, 1)))
         box = {"chains": root_chain}
 
         def expand(level, paths, frontier):  # frontier int32 [B, topk]: each node's index in its level
@@ -344,8 +298,6 @@ def _propose_dynamic(draft, dcache, rows, next_tokens, positions, n_valid, spec:
     t = dynamic_tree(root_logp, expand, topk=spec.topk, depth=spec.depth, num_nodes=spec.num_nodes)
     B = t.tokens.shape[0]
     tokens = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), draft_to_target(t.tokens, d2t).astype(jnp.int32)], 1)
-    if chains is not None:
-        cache = ChainCaches(cache, box["chains"].cache)
     return Drafted(tokens, t.depth, t.mask, t.children, jnp.zeros((1,), jnp.float32)), cache
 
 

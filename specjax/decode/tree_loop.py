@@ -61,7 +61,7 @@ from specjax.decode.speculative import (
 from specjax.decode.spec_stats import SpecStats
 from specjax.decode.tree import accept_tree, compact_cache, parse_tree
 from specjax.decode.tree_draft import (
-    Drafted, DynamicTreeSpec, as_tree, chain_caches, check_tree_draft, proposal_sampling, propose_tree,
+    Drafted, DynamicTreeSpec, as_tree, check_tree_draft, proposal_sampling, propose_tree,
 )
 from specjax.kernels import tpu as kt
 from specjax.models import panels
@@ -128,8 +128,6 @@ def tree_core(target: CausalLM, draft, prompt_ids, prompt_lens, limits, key, eos
     nxt = nxt.at[jnp.arange(B), prompt_lens - 1].set(dec.last.astype(prompt_ids.dtype))
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     dcache = pin_cache(draft.init_cache(B, kt.cache_slots(draft_len), draft_dtype), mesh)
-    if mesh is None:  # a dynamic tree's chains keep their own draft caches across rounds
-        dcache = chain_caches(draft, tree, dcache)
     sample, kd = proposal_sampling(sampling, draft_sampling), None
     if sample is not None:
         kd, dkey = jax.random.split(dec.key)
