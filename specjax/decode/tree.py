@@ -55,7 +55,7 @@ import numpy as np
 
 from specjax.decode.accept import residual
 from specjax.decode.sampling import SamplingParams, process_logits
-from specjax.models import panels
+from specjax.kernels import ops as native_ops
 from specjax.models.layers import first_argmax, write_cache
 
 
@@ -371,7 +371,7 @@ def accept_tree(key, target_logits, node_tokens, children, max_depth: int, node_
 # ----------------------------------------------------------------------------- cache compaction
 
 
-def compact_cache(cache, base, path, num_accepted, *, native: bool = False):
+def compact_cache(cache, base, path, num_accepted, *, native: bool | None = None):
     """Keep the accepted path of a tree verify as consecutive cache rows.
 
     ``cache``: a target :class:`~specjax.models.target.KVCache` (k / v: layers x [B, Hkv, S, D], or
@@ -379,8 +379,9 @@ def compact_cache(cache, base, path, num_accepted, *, native: bool = False):
     before the verify; path int32 [B, D+1], num_accepted int32 [B]: from the accept rule. Returns
     the cache with slot ``base + j`` holding node ``path[:, j]``'s K/V for j <= n and lengths
     ``base + n + 1`` (root and accepted nodes; slots past that are stale, never read). ``native``
-    (a single-device CPU program with the native kernels, :func:`specjax.models.panels.compact_rows`):
-    a per-layer cache moves on one kernel call, the same bytes as the gathers and scatters."""
+    (default: :func:`specjax.kernels.ops.native_here`, a single-device CPU program with the native
+    kernels): a per-layer cache moves on one kernel call (:func:`specjax.kernels.ops.compact_rows`),
+    the same bytes as the gathers and scatters."""
     S = cache.max_len
     D1 = path.shape[1]
     src = jnp.minimum(base[:, None] + jnp.maximum(path, 0), S - 1).astype(jnp.int32)  # [B, D+1]
@@ -391,8 +392,8 @@ def compact_cache(cache, base, path, num_accepted, *, native: bool = False):
         return write_cache(buf, dst, jnp.swapaxes(rows, 1, 2))
 
     lengths = (base + num_accepted + 1).astype(jnp.int32)
-    if native and not cache.stacked:
-        moved = panels.compact_rows(base, path, cache.k + cache.v)
+    if not cache.stacked and (native_ops.native_here() if native is None else native):
+        moved = native_ops.compact_rows(base, path, cache.k + cache.v)
         n = len(cache.k)
         return cache._replace(k=tuple(moved[:n]), v=tuple(moved[n:]), lengths=lengths)
     if cache.stacked:

@@ -181,29 +181,25 @@ def _step_nodes(draft, parents: _Chains, parent_of, tokens, pos0, depth: int) ->
         return x.reshape(F * B, *x.shape[2:])
 
     if Fp == F and depth > 1 and isinstance(parents.cache, DraftCache):
-        cache = _pick_window(parents.cache, parent_of, F, B, depth - 1)
+        cache = _pick_window(parents.cache, pick, F, B, depth - 1)
     else:
         cache = jax.tree_util.tree_map(pick, parents.cache)
     o = draft.step(cache, tokens.reshape(F * B), pick(parents.hidden), jnp.tile(pos0, F) + depth, depth)
     return o.logits.astype(jnp.float32).reshape(F, B, -1), _Chains(o.cache, o.hidden)
 
 
-def _pick_window(cache: DraftCache, parent_of, F: int, B: int, w: int) -> DraftCache:
+def _pick_window(cache: DraftCache, pick, F: int, B: int, w: int) -> DraftCache:
     """:func:`_step_nodes`' parent caches where the level has as many chains as the last (F): the
     chains share every slot but their scratch window (slots ``lengths .. lengths + w - 1``, their
     ancestors' steps; every chain was the root's copy at the first level), so each chain's cache
-    takes its parent's window rows in place of a copy of the parent's whole cache. Same contents
-    as the whole-cache gather, slot for slot."""
+    takes its parent's window rows (``pick``: [F*B, ...] -> each node's parent's) in place of a
+    copy of the parent's whole cache. Same contents as the whole-cache gather, slot for slot."""
     slots = cache.lengths[:B, None] + jnp.arange(w, dtype=jnp.int32)[None]  # [B, w]
     bi = jnp.arange(B)[:, None]
 
     def move(buf):  # [F*B, S, H, D]
         x = buf.reshape(F, B, *buf.shape[1:])
-        rows = x[:, bi, slots]  # [F, B, w, H, D]
-        if isinstance(parent_of, np.ndarray):
-            rows = rows[parent_of]
-        else:
-            rows = jnp.take_along_axis(rows, parent_of.reshape(F, B, 1, 1, 1), axis=0)
+        rows = pick(x[:, bi, slots].reshape(F * B, w, *buf.shape[2:])).reshape(F, B, w, *buf.shape[2:])
         return x.at[:, bi, slots].set(rows, mode="drop").reshape(buf.shape)
 
     return cache._replace(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v))

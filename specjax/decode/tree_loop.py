@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import kernels, placement
+from specjax import placement
 from specjax import sharding as shd
 from specjax.decode.batch import prepare, resolve_packed_len
 from specjax.decode.generate import (
@@ -96,9 +96,7 @@ def tree_round(target: CausalLM, draft, s: TreeState, eos_ids, *, tree, sampling
     res = accept_tree(ka, out.logits, nodes, t.children, D, None if sample is None else t.q, sampling)
     live = ~d.done
     n_commit = jnp.where(live, res.num_accepted + 1, 0).astype(jnp.int32)
-    native = mesh is None and placement.is_cpu() and kernels.available("cpu")  # one kernel call moves every layer's rows
-    cache = compact_cache(out.cache, L, res.path, res.num_accepted, native=native)
-    cache = pin_cache(cache.rollback(L + n_commit), mesh)
+    cache = pin_cache(compact_cache(out.cache, L, res.path, res.num_accepted).rollback(L + n_commit), mesh)
     d = emit(d._replace(step=d.step + 1, cache=cache, key=nkey), res.tokens, res.num_accepted + 1, eos_ids, pad_id)
     ar = jnp.arange(D + 1, dtype=jnp.int32)
     hist = s.hist + jnp.where(live[:, None], (ar[None] == res.num_accepted[:, None]).astype(jnp.int32), 0)
