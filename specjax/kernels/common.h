@@ -31,7 +31,8 @@ inline v16 splat(float s) { return s - v16{}; }  // s - 0 == s exactly: folds to
 
 // The matmul kernels' rows per pass over a panel of 16 V columns: as many as the 32 vector registers
 // hold beside the panel row and a broadcast (R x V accumulators), so a verify of up to 6 rows (8 on
-// 16- and 32-column panels) reads each panel once, as a decode step does.
+// 16- and 32-column panels) reads each panel once, as a decode step does (the bf16 kernel's
+// vdpbf16ps path takes 7 on 64-column panels, its broadcasts from memory: panel_dot_bf16.cc).
 template <int V>
 constexpr int group_rows() {
   return V >= 4 ? 6 : 8;

@@ -362,7 +362,7 @@ def test_pack_pairs_layout():
 
 
 @needs_kernels
-@pytest.mark.parametrize("M", [1, 3, 4, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 7, 8, 16, 17, 40, 64])
 @pytest.mark.parametrize("K,N", [(2, 16), (64, 48), (100, 96), (576, 192), (300, 2048), (1536, 576)])
 def test_bf16_dot_kernel_matches_bf16_products(M, K, N):
     """The bf16-compute kernel: x and w rounded to bf16, the products summed in float32; against
@@ -511,8 +511,9 @@ def test_bf16_layout_follows_the_cpu_and_the_rows(monkeypatch):
 @pytest.mark.parametrize("K,N", [(576, 192), (100, 96), (1536, 576)])
 def test_kernel_rows_do_not_depend_on_the_other_rows(K, N, layout):
     """A row's products and float32 sums come out bit for bit the same whatever rows share the call
-    (1 to 70 rows: one pass of up to 6 rows, or 8 on narrower panels; several groups over chunks of
-    K; several 16-row tile groups, a short last group; K a multiple of 32 or not), on the bf16
+    (1 to 70 rows: one pass of up to 6 rows, 7 on 64-column panels with vdpbf16ps, or 8 on narrower
+    panels; several groups over the whole panel or over chunks of K; several 16-row tile groups, a
+    short last group; K a multiple of 32 or not), on the bf16
     kernel's k-pair panels and on the float32 kernel's float32 and bfloat16 panels: so a prefill, a
     decode step and a verify of the same token multiply alike."""
     rng = np.random.default_rng(K + N)
@@ -522,7 +523,7 @@ def test_kernel_rows_do_not_depend_on_the_other_rows(K, N, layout):
           "bf16": lambda w: panels.pack(w.astype(jnp.bfloat16))}[layout](w)
     mm = jax.jit(panels.matmul)
     full = np.asarray(mm(x, wp))
-    for lo, hi in ((0, 1), (3, 4), (0, 5), (0, 6), (1, 8), (2, 11), (20, 37), (33, 70), (69, 70)):
+    for lo, hi in ((0, 1), (3, 4), (0, 5), (0, 6), (0, 7), (1, 8), (2, 11), (20, 37), (33, 70), (69, 70)):
         np.testing.assert_array_equal(np.asarray(mm(x[lo:hi], wp)), full[lo:hi])
 
 
