@@ -7,7 +7,7 @@
 # speedup, plots under runs/). Prints a per-stage time table at the end.
 #
 #   bash scripts/main.sh            the default recipe (configs/eagle3-smollm2.yaml), about 20 min
-#   bash scripts/main.sh --full     the long recipe (configs/eagle3-smollm2-full.yaml), about 46 min
+#   bash scripts/main.sh --full     the long recipe (configs/eagle3-smollm2-full.yaml), about 57 min
 #   bash scripts/main.sh --smoke    every stage at a toy size (CI's check of the user's install)
 #   --recipe FILE                   any EAGLE-3 recipe for the default target
 #   --fresh                         discard this recipe's data and run first (default: resume)
