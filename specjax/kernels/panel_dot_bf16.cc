@@ -167,10 +167,10 @@ constexpr int one_pass_rows() {
 
 template <int V>
 void panel_dot(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N) {
-  constexpr int P = one_pass_rows<V>();
-  const bool one_pass = M <= P || SPECJAX_DPBF16;
-  const int64_t H = K / 2, G = M <= P ? M : (one_pass ? P : 4);
-  const int64_t chunk = one_pass ? H : std::max<int64_t>(1, 16384 / (64 * V));
+  // groups of one_pass_rows over the whole panel (one group when M fits), else of 4 over chunks
+  const bool whole = M <= one_pass_rows<V>() || SPECJAX_DPBF16;
+  const int64_t H = K / 2, G = whole ? one_pass_rows<V>() : 4;
+  const int64_t chunk = whole ? H : std::max<int64_t>(1, 16384 / (64 * V));
   for (int64_t h0 = 0; h0 < H; h0 += chunk) {
     int64_t h1 = std::min(H, h0 + chunk);
     for (int64_t r0 = 0; r0 < M; r0 += G)
