@@ -27,7 +27,20 @@ typedef int32_t i16v __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
-inline v16 splat(float s) { return s - v16{}; }  // s - 0 == s exactly: folds to a broadcast
+// s in every lane (s - 0 == s exactly: folds to a broadcast); without AVX-512 built from an 8-lane
+// half, which GCC broadcasts in a register where a 16-lane scalar operand goes through 16 stores.
+inline v16 splat(float s) {
+#if defined(__AVX512F__)
+  return s - v16{};
+#else
+  typedef float v8 __attribute__((vector_size(32)));
+  const v8 h = s - v8{};
+  v16 r;
+  __builtin_memcpy(&r, &h, sizeof h);
+  __builtin_memcpy(reinterpret_cast<char*>(&r) + sizeof h, &h, sizeof h);
+  return r;
+#endif
+}
 
 // The matmul kernels' rows per pass over a panel of 16 V columns: as many as the 32 vector registers
 // hold beside the panel row and a broadcast (R x V accumulators), so a verify of up to 6 rows (8 on
