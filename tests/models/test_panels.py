@@ -429,11 +429,12 @@ def test_bf16_compute_decode_state(tied, monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("arith", ["fma", "dpbf16", "tiles"])
 def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied, monkeypatch, arith):
-    """A bf16-compute state runs matmuls and the cached attention on the native kernels up to
-    MAX_ROWS_BF16 rows (a regeneration batch of 32 or 64 sequences), beyond MAX_ROWS, and for any
-    number of rows where the kernel runs on AMX tiles or on ``vdpbf16ps`` (``arith``: a prefill
-    too); the float32 panel view keeps MAX_ROWS; past the limits they take XLA's ops. Outputs on
-    the kernels equal XLA's bf16 dot's within float32 rounding."""
+    """A bf16-compute state runs matmuls on the native kernel up to MAX_ROWS_BF16 rows (a
+    regeneration batch of 32 or 64 sequences), beyond MAX_ROWS, and for any number of rows where
+    the kernel runs on AMX tiles or on ``vdpbf16ps`` (``arith``: a prefill too), past that on XLA's
+    bf16 dot; its cached attention takes the decode-attention kernel for any number of rows (a
+    prefill's arithmetic then does not depend on the program around it); the float32 panel view
+    keeps MAX_ROWS for both. Outputs on the kernels equal XLA's bf16 dot's within float32 rounding."""
     monkeypatch.setenv("SPECJAX_BF16_DOT", "kernel")
     monkeypatch.setattr(panels, "kernel_has_amx", lambda: arith == "tiles")
     monkeypatch.setattr(panels, "kernel_has_dpbf16", lambda: arith == "dpbf16")
@@ -451,16 +452,17 @@ def test_bf16_compute_takes_the_kernels_up_to_its_own_row_limit(tied, monkeypatc
     def calls(st, T):
         ids = jnp.ones((2, T), jnp.int32)
         txt = jax.jit(fwd).lower(st, ids, KVCache.init(cfg, 2, 48)).as_text()
-        return {n: txt.count(n) for n in ("specjax_panel_dot_bf16", "specjax_panel_matmul", "specjax_decode_attention")}
+        return {n: txt.count(n) for n in ("specjax_panel_dot_bf16", "specjax_panel_matmul", "specjax_decode_attention",
+                                          "specjax_rope", "specjax_rmsnorm")}
 
     on = calls(view, 24)  # 48 rows
     assert on["specjax_panel_dot_bf16"] > 0 and on["specjax_decode_attention"] > 0, on
     assert not any(calls(f32_view, 24).values())  # 48 rows are past the float32 panels' limit
-    far = calls(view, 40)  # 80 rows: on the tiles, else XLA's bf16 dot and masked attention
-    if tiles:
-        assert far["specjax_panel_dot_bf16"] > 0 and far["specjax_decode_attention"] > 0, far
-    else:
-        assert not any(far.values()), far
+    far = calls(view, 40)  # 80 rows: matmuls on the tiles / vdpbf16ps, else XLA's bf16 dot; attention on its kernel
+    assert far["specjax_panel_matmul"] == 0 and far["specjax_decode_attention"] == cfg.num_hidden_layers, far
+    assert far["specjax_rope"] == cfg.num_hidden_layers and far["specjax_rmsnorm"] > 0, far
+    assert (far["specjax_panel_dot_bf16"] > 0) == tiles, far
+    assert not any(calls(f32_view, 40).values())
     rng = np.random.default_rng(5)
     ids = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 24)), jnp.int32)
     a = np.asarray(jax.jit(fwd)(view, ids, KVCache.init(cfg, 2, 48))[0])
@@ -551,7 +553,7 @@ def test_the_bf16_kernel_takes_vdpbf16ps_and_every_row_on_a_cpu_with_avx512_bf16
 def test_bf16_dot_layout_equals_the_kernel(tied, monkeypatch):
     """The "dot" layout (the weights in bfloat16 for XLA's bf16 dot): every matmul leaves the
     k-pair kernel (decode steps and prefill alike) while the cached attention stays on the
-    decode-attention kernel up to MAX_ROWS_BF16 rows, and the logits equal the k-pair kernel's
+    decode-attention kernel for every row, and the logits equal the k-pair kernel's
     within float32 rounding (the same bf16 products, summed in another order)."""
     graphdef, state = nnx.split(tied)
     cfg = tied.config
@@ -570,6 +572,8 @@ def test_bf16_dot_layout_equals_the_kernel(tied, monkeypatch):
 
     ids = jnp.ones((2, 24), jnp.int32)
     txt = jax.jit(fwd).lower(dot, ids, KVCache.init(cfg, 2, 48)).as_text()
+    assert txt.count("specjax_panel_dot_bf16") == 0 and txt.count("specjax_decode_attention") > 0
+    txt = jax.jit(fwd).lower(dot, jnp.ones((2, 40), jnp.int32), KVCache.init(cfg, 2, 48)).as_text()  # 80 rows
     assert txt.count("specjax_panel_dot_bf16") == 0 and txt.count("specjax_decode_attention") > 0
     rng = np.random.default_rng(6)
     prompt = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 40)), jnp.int32)  # 80 rows: a prefill
