@@ -42,6 +42,25 @@ inline v16 splat(float s) {
 #endif
 }
 
+// 8-float vectors: one AVX2 register. Without AVX-512 the matmul kernels pass over a panel in
+// strips of strip_width 8-column vectors for R rows at a time (at most kStripRows), so that the
+// accumulators, the strip's weights and a broadcast fit the 16 registers: GCC keeps arrays of
+// 16-float vectors on the stack there (a 7-row verify over SmolLM2's layers took 3.3x the AVX-512
+// build's time and 2.1x XLA's dot). A row's sums are the same whatever the strips.
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned access
+inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store8(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
+inline v8 splat8(float s) { return s - v8{}; }  // s - 0 == s exactly: a broadcast
+constexpr int kStripRows = 12;
+// the widest strip (8-column vectors, dividing the panel's `vectors`) with R x W accumulators +
+// per_weight x W weight vectors + the broadcasts <= 16 registers
+constexpr int strip_width(int R, int vectors, int per_weight = 1, int broadcasts = 1) {
+  int w = vectors;
+  while (w > 1 && R * w + per_weight * w + broadcasts > 16) w /= 2;
+  return w;
+}
+
 // The matmul kernels' rows per pass over a panel of 16 V columns: as many as the 32 vector registers
 // hold beside the panel row and a broadcast (R x V accumulators), so a verify of up to 6 rows (8 on
 // 16- and 32-column panels) reads each panel once, as a decode step does (the bf16 kernel's

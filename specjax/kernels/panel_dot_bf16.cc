@@ -10,8 +10,8 @@
 //
 // Arithmetic, per output: acc += x[2h+1] w[2h+1], then acc += x[2h] w[2h], each product exact in
 // float32 (8-bit significands) and each sum rounded to nearest even: vdpbf16ps as Intel documents
-// it (inputs and outputs denormal-flushed). Without AVX512-BF16 (or AVX-512) the same two
-// float32 FMAs per pair run on 16-float vectors, identical but for denormals.
+// it (inputs and outputs denormal-flushed). Without AVX512-BF16 the same two float32 FMAs per pair
+// run on 16-float vectors (AVX-512) or on 8-column strips (common.h), identical but for denormals.
 //
 // On a CPU with AMX tiles (amx_bf16, built with -march=native there) a call takes the tiles instead
 // (any number of rows, K a multiple of 32): one TDPBF16PS multiplies 16 rows by a 32 x 16
@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -254,6 +255,61 @@ void panel_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float
 #undef SPECJAX_BLOCK
 #endif
 
+#if !defined(__AVX512F__)
+// Without AVX-512: rows_dot over a strip of W 8-column vectors of a panel (k-pair row stride ldw
+// uint16), R rows of xf (x widened to float32 once per call: a bf16 is the top half of a float32)
+// times k-pairs h0 .. h1-1 into y. The same products and sums, in the same order, as rows_dot.
+// `whole`: prefetch the panel's whole k-pair rows ahead (the first strip; the others find them cached).
+template <int R, int W>
+void strip_dot(const float* xf, int64_t ldx, int64_t h0, int64_t h1, const uint16_t* w, int64_t ldw, float* y,
+               int64_t N, bool add, bool whole) {
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  typedef uint32_t u32x8u __attribute__((vector_size(32), aligned(2)));
+  using specjax::v8;
+  const int64_t lines = whole ? (ldw * 2 + 63) / 64 : 1;
+  v8 acc[R][W];
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < W; j++) acc[i][j] = add ? specjax::load8(y + i * N + 8 * j) : v8{};
+  for (int64_t h = h0; h < h1; h++) {
+    const uint16_t* wh = w + h * ldw;
+    for (int64_t l = 0; l < lines; l++) __builtin_prefetch(reinterpret_cast<const char*>(wh + ldw * 8) + 64 * l);
+    v8 odd[W], even[W];
+    for (int j = 0; j < W; j++) {
+      const u32x8 u = *reinterpret_cast<const u32x8u*>(wh + 16 * j);
+      const u32x8 hi = u & (u32x8{} + 0xFFFF0000u), lo = u << 16;
+      __builtin_memcpy(&odd[j], &hi, sizeof hi);
+      __builtin_memcpy(&even[j], &lo, sizeof lo);
+    }
+    for (int i = 0; i < R; i++) {
+      const v8 b1 = specjax::splat8(xf[i * ldx + 2 * h + 1]), b0 = specjax::splat8(xf[i * ldx + 2 * h]);
+      for (int j = 0; j < W; j++) {
+        acc[i][j] += b1 * odd[j];  // the odd element of each pair first, as vdpbf16ps
+        acc[i][j] += b0 * even[j];
+      }
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < W; j++) specjax::store8(y + i * N + 8 * j, acc[i][j]);
+}
+
+// All M rows (xf, float32) times one panel in strips (common.h) over chunks of k-pairs whose panel
+// rows stay in the core's cache while every strip and row group reads them.
+template <int V>
+void panel_strips(const float* xf, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N) {
+  const int64_t H = K / 2, chunk = std::max<int64_t>(1, 16384 / (64 * V));
+  for (int64_t h0 = 0; h0 < H; h0 += chunk) {
+    const int64_t h1 = std::min(H, h0 + chunk);
+    for (int64_t r0 = 0; r0 < M; r0 += specjax::kStripRows)
+      specjax::with_rows<specjax::kStripRows>(std::min<int64_t>(specjax::kStripRows, M - r0), [&](auto R) {
+        constexpr int W = specjax::strip_width(decltype(R)::value, 2 * V, 2, 2);
+        for (int s = 0; s < 2 * V; s += W)
+          strip_dot<decltype(R)::value, W>(xf + r0 * K, K, h0, h1, w + 16 * s, 32 * V, y + r0 * N + 8 * s, N,
+                                           h0 > 0, s == 0);
+      });
+  }
+}
+#endif
+
 // One panel on the tiles (``tiles``: a build with them, K a multiple of 32) or the vector path.
 template <int V>
 void panel_any(bool tiles, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N) {
@@ -290,6 +346,25 @@ ffi::Error PanelDotBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buf
   const bool tiles = K % 32 == 0 && amx_permitted();
 #else
   const bool tiles = false;
+#endif
+#if !defined(__AVX512F__)
+  std::vector<float> xf(M * K);  // the rows widened once for every panel's strips
+  for (int64_t i = 0; i < M * K; i++) {
+    const uint32_t u = static_cast<uint32_t>(xp[i]) << 16;
+    std::memcpy(&xf[i], &u, 4);
+  }
+  const float* xfp = xf.data();
+  specjax::parallel_for(pool, P, [=](int64_t p) {
+    const uint16_t* wpp = wp + p * K * Wd;
+    float* ypp = yp + p * Wd;
+    switch (Wd) {
+      case 16: panel_strips<1>(xfp, M, K, wpp, ypp, N); break;
+      case 32: panel_strips<2>(xfp, M, K, wpp, ypp, N); break;
+      default: panel_strips<4>(xfp, M, K, wpp, ypp, N); break;
+    }
+  });
+  (void)tiles;
+  return ffi::Error::Success();
 #endif
   specjax::parallel_for(pool, P, [=](int64_t p) {
     const uint16_t* wpp = wp + p * K * Wd;

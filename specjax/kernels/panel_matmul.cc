@@ -79,12 +79,65 @@ static void panel_rows(const float* x, int64_t ldx, int64_t k0, int64_t k1, cons
     for (int j = 0; j < V; j++) store16(y + i * N + 16 * j, acc[i][j]);
 }
 
+#if !defined(__AVX512F__)
+// 8 consecutive weights as 8 floats (load_w's strip form).
+static inline specjax::v8 load_w8(const float* p) { return specjax::load8(p); }
+static inline specjax::v8 load_w8(const uint16_t* p) {
+  typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u32x8 u = __builtin_convertvector(*reinterpret_cast<const u16x8*>(p), u32x8) << 16;
+  specjax::v8 v;
+  __builtin_memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// panel_rows for a strip of W 8-column vectors of a panel (row stride ldw elements): R rows of x
+// times the strip's rows k0 .. k1-1 into y. The same products and sums, in the same order.
+// `whole`: prefetch the panel's whole rows ahead (the first strip; the others find them cached).
+template <int R, int W, typename T>
+static void strip_rows(const float* x, int64_t ldx, int64_t k0, int64_t k1, const T* w, int64_t ldw, float* y,
+                       int64_t N, bool add, bool whole) {
+  const int64_t lines = whole ? (ldw * static_cast<int64_t>(sizeof(T)) + 63) / 64 : 1;
+  specjax::v8 acc[R][W];
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < W; j++) acc[i][j] = add ? specjax::load8(y + i * N + 8 * j) : specjax::v8{};
+  for (int64_t k = k0; k < k1; k++) {
+    const T* wk = w + k * ldw;
+    for (int64_t l = 0; l < lines; l++)
+      __builtin_prefetch(reinterpret_cast<const char*>(wk + ldw * PREFETCH_ROWS) + 64 * l);
+    specjax::v8 wv[W];
+    for (int j = 0; j < W; j++) wv[j] = load_w8(wk + 8 * j);
+    for (int i = 0; i < R; i++) {
+      const specjax::v8 b = specjax::splat8(x[i * ldx + k]);
+      for (int j = 0; j < W; j++) acc[i][j] += b * wv[j];
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < W; j++) specjax::store8(y + i * N + 8 * j, acc[i][j]);
+}
+#endif
+
 // All M rows times one panel: up to group_rows (common.h) rows in one pass; more in groups of 4
 // over chunks of K small enough to stay in the core's cache, so the panel streams from memory once
 // whatever M is. A row's sums run over K in the same order whatever the grouping (a chunk's partial
 // sums are stored and reloaded exactly): its outputs do not depend on the other rows.
 template <int V, typename T>
 static void panel(const float* x, int64_t M, int64_t K, const T* w, float* y, int64_t N) {
+#if !defined(__AVX512F__)
+  // strips (common.h) over chunks of K whose panel rows stay in the core's cache while every strip
+  // and row group reads them (the first streams them from memory)
+  const int64_t chunk = std::max<int64_t>(1, 16384 / (16 * V * static_cast<int64_t>(sizeof(T))));
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = std::min(K, k0 + chunk);
+    for (int64_t r0 = 0; r0 < M; r0 += specjax::kStripRows)
+      specjax::with_rows<specjax::kStripRows>(std::min<int64_t>(specjax::kStripRows, M - r0), [&](auto R) {
+        constexpr int W = specjax::strip_width(decltype(R)::value, 2 * V);
+        for (int s = 0; s < 2 * V; s += W)
+          strip_rows<decltype(R)::value, W, T>(x + r0 * K, K, k0, k1, w + 8 * s, 16 * V, y + r0 * N + 8 * s, N,
+                                               k0 > 0, s == 0);
+      });
+  }
+#else
   const bool one_pass = M <= specjax::group_rows<V>();
   const int64_t G = one_pass ? M : 4;
   const int64_t chunk = one_pass ? K : std::max<int64_t>(1, 32768 / (64 * V));
@@ -95,6 +148,7 @@ static void panel(const float* x, int64_t M, int64_t K, const T* w, float* y, in
         panel_rows<decltype(R)::value, V, T>(x + r0 * K, K, k0, k1, w, y + r0 * N, N, k0 > 0);
       });
   }
+#endif
 }
 
 template <ffi::DataType WT>
