@@ -220,14 +220,12 @@ def bf16_row_limit() -> int:
 
 
 def attention_row_limit(value) -> int:
-    """How many query rows the cached attention (and the row-wise work, :func:`rows_fit`) of a
-    layer whose projection holds ``value`` runs on the kernels: any number in a bf16-compute state,
-    a prefill's too, whatever the matmuls take (:func:`row_limit`); else :data:`MAX_ROWS`. XLA's
-    masked attention and rotary embedding rounded a bf16 prefill differently in the tree loop's
-    program than in generate's (fusions follow the program): 3 of 8 held-out code prompts' tree
-    outputs off target-only on a CPU without ``vdpbf16ps`` (2026-12-07); on the kernels, 8/8. The
-    kernel reads only the visible slots: a 1000-token prefill's attention (SmolLM2's 9/3 heads, one
-    layer, 2 cores) 12 ms against XLA's 39 with AVX-512, 35 against 42 on an AVX2 build."""
+    """Query rows the cached attention (and :func:`rows_fit`'s row-wise work) of a layer whose
+    projection holds ``value`` runs on the kernels: any number in a bf16-compute state, a prefill's
+    too, whatever its matmuls take; else :data:`MAX_ROWS`. (XLA's masked attention rounded a bf16
+    prefill by the program it sat in: a tree loop's outputs off target-only on 3 of 8 prompts
+    without ``vdpbf16ps``, 0 on the kernels; a 1000-token prefill's attention on 2 cores takes 12
+    against XLA's 39 ms with AVX-512, 35 against 42 on AVX2: docs/main-job.md, 2026-12-08.)"""
     return (1 << 62) if _bf16_state(value) else MAX_ROWS
 
 
