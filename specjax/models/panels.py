@@ -220,12 +220,9 @@ def bf16_row_limit() -> int:
 
 
 def attention_row_limit(value) -> int:
-    """Query rows the cached attention (and :func:`rows_fit`'s row-wise work) of a layer whose
-    projection holds ``value`` runs on the kernels: any number in a bf16-compute state, a prefill's
-    too, whatever its matmuls take; else :data:`MAX_ROWS`. (XLA's masked attention rounded a bf16
-    prefill by the program it sat in: a tree loop's outputs off target-only on 3 of 8 prompts
-    without ``vdpbf16ps``, 0 on the kernels; a 1000-token prefill's attention on 2 cores takes 12
-    against XLA's 39 ms with AVX-512, 35 against 42 on AVX2: docs/main-job.md, 2026-12-08.)"""
+    """Query rows the cached attention (and :func:`rows_fit`'s work) of a layer holding ``value``
+    takes on the kernels: any number in a bf16-compute state, a prefill's too (XLA's masked attention
+    rounded a bf16 prefill by the program around it: docs/main-job.md, 2026-12-08); else :data:`MAX_ROWS`."""
     return (1 << 62) if _bf16_state(value) else MAX_ROWS
 
 
