@@ -27,20 +27,6 @@ typedef int32_t i16v __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
-// s in every lane (s - 0 == s exactly: folds to a broadcast); without AVX-512 built from an 8-lane
-// half, which GCC broadcasts in a register where a 16-lane scalar operand goes through 16 stores.
-inline v16 splat(float s) {
-#if defined(__AVX512F__)
-  return s - v16{};
-#else
-  typedef float v8 __attribute__((vector_size(32)));
-  const v8 h = s - v8{};
-  v16 r;
-  __builtin_memcpy(&r, &h, sizeof h);
-  __builtin_memcpy(reinterpret_cast<char*>(&r) + sizeof h, &h, sizeof h);
-  return r;
-#endif
-}
 
 // 8-float vectors: one AVX2 register. Without AVX-512 the matmul kernels pass over a panel in
 // strips of strip_width 8-column vectors for R rows at a time (at most kStripRows), so that the
@@ -52,6 +38,20 @@ typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned ac
 inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store8(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
 inline v8 splat8(float s) { return s - v8{}; }  // s - 0 == s exactly: a broadcast
+// s in every lane (s - 0 == s exactly: folds to a broadcast); without AVX-512 built from an 8-lane
+// half, which GCC broadcasts in a register where a 16-lane scalar operand goes through 16 stores.
+inline v16 splat(float s) {
+#if defined(__AVX512F__)
+  return s - v16{};
+#else
+  const v8 h = splat8(s);
+  v16 r;
+  __builtin_memcpy(&r, &h, sizeof h);
+  __builtin_memcpy(reinterpret_cast<char*>(&r) + sizeof h, &h, sizeof h);
+  return r;
+#endif
+}
+
 constexpr int kStripRows = 12;
 // the widest strip (8-column vectors, dividing the panel's `vectors`) with R x W accumulators +
 // per_weight x W weight vectors + the broadcasts <= 16 registers

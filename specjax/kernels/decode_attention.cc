@@ -92,12 +92,11 @@ static inline v16 vexp(v16 x) {
 #if defined(__AVX512F__)
   return vexp_lanes<v16, i16v>(x);
 #else
-  typedef float v8 __attribute__((vector_size(32)));
   typedef int32_t i8v __attribute__((vector_size(32)));
-  v8 h[2];
+  specjax::v8 h[2];
   __builtin_memcpy(h, &x, sizeof x);
-  h[0] = vexp_lanes<v8, i8v>(h[0]);
-  h[1] = vexp_lanes<v8, i8v>(h[1]);
+  h[0] = vexp_lanes<specjax::v8, i8v>(h[0]);
+  h[1] = vexp_lanes<specjax::v8, i8v>(h[1]);
   __builtin_memcpy(&x, h, sizeof x);
   return x;
 #endif

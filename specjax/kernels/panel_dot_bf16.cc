@@ -310,14 +310,22 @@ void panel_strips(const float* xf, int64_t M, int64_t K, const uint16_t* w, floa
 }
 #endif
 
-// One panel on the tiles (``tiles``: a build with them, K a multiple of 32) or the vector path.
+// One panel on the tiles (``tiles``: a build with them, K a multiple of 32), the strips (no AVX-512:
+// ``xf``, the rows widened to float32) or the vector path.
 template <int V>
-void panel_any(bool tiles, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N) {
+void panel_any(bool tiles, const uint16_t* x, const float* xf, int64_t M, int64_t K, const uint16_t* w, float* y,
+               int64_t N) {
 #if SPECJAX_AMX
   if (tiles) return panel_amx<V>(x, M, K, w, y, N);
 #endif
   (void)tiles;
+#if !defined(__AVX512F__)
+  (void)x;
+  panel_strips<V>(xf, M, K, w, y, N);
+#else
+  (void)xf;
   panel_dot<V>(x, M, K, w, y, N);
+#endif
 }
 
 ffi::Error PanelDotBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
@@ -347,32 +355,23 @@ ffi::Error PanelDotBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buf
 #else
   const bool tiles = false;
 #endif
+  const float* xfp = nullptr;
 #if !defined(__AVX512F__)
-  std::vector<float> xf(M * K);  // the rows widened once for every panel's strips
+  thread_local std::vector<float> xf;  // the rows widened once for every panel's strips
+  xf.resize(M * K);
   for (int64_t i = 0; i < M * K; i++) {
     const uint32_t u = static_cast<uint32_t>(xp[i]) << 16;
     std::memcpy(&xf[i], &u, 4);
   }
-  const float* xfp = xf.data();
-  specjax::parallel_for(pool, P, [=](int64_t p) {
-    const uint16_t* wpp = wp + p * K * Wd;
-    float* ypp = yp + p * Wd;
-    switch (Wd) {
-      case 16: panel_strips<1>(xfp, M, K, wpp, ypp, N); break;
-      case 32: panel_strips<2>(xfp, M, K, wpp, ypp, N); break;
-      default: panel_strips<4>(xfp, M, K, wpp, ypp, N); break;
-    }
-  });
-  (void)tiles;
-  return ffi::Error::Success();
+  xfp = xf.data();
 #endif
   specjax::parallel_for(pool, P, [=](int64_t p) {
     const uint16_t* wpp = wp + p * K * Wd;
     float* ypp = yp + p * Wd;
     switch (Wd) {
-      case 16: panel_any<1>(tiles, xp, M, K, wpp, ypp, N); break;
-      case 32: panel_any<2>(tiles, xp, M, K, wpp, ypp, N); break;
-      default: panel_any<4>(tiles, xp, M, K, wpp, ypp, N); break;
+      case 16: panel_any<1>(tiles, xp, xfp, M, K, wpp, ypp, N); break;
+      case 32: panel_any<2>(tiles, xp, xfp, M, K, wpp, ypp, N); break;
+      default: panel_any<4>(tiles, xp, xfp, M, K, wpp, ypp, N); break;
     }
   });
   return ffi::Error::Success();
